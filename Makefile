@@ -1,0 +1,34 @@
+# Both targets set up .venv themselves, so a fresh clone needs nothing else.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+NPROC ?= 4
+
+.PHONY: demo test lint format venv clean
+
+$(STAMP): requirements.txt setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## make demo: GPT on the embedded corpus, dp x tp x pp on CPU processes (GPU if present)
+demo: $(STAMP)
+	$(BIN)/gridtrain run --nproc_per_node $(NPROC) --config demos/gpt/configs/demo.py demos/gpt/train.py
+
+## make test: lint, then the whole test suite on gloo processes
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q tests
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

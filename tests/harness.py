@@ -1,0 +1,169 @@
+"""Run a function on N gloo processes on the CPU, with pooled workers.
+
+``run_distributed(fn, world_size, config=...)`` launches gridtrain on ranks
+0..N-1 (a fresh port each call), calls ``fn(ctx, *args)`` on each and returns
+the per-rank results in rank order. A rank that raises fails the call with that
+rank's traceback; ranks left waiting in a collective are killed after a short
+grace instead of hanging, and so is a call that exceeds its timeout.
+
+Workers are spawned once (importing torch is most of the start-up) and reused
+by later calls; a failed or timed-out call discards the pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+MAX_WORKERS = 8
+GRACE_S = 5.0  # after one rank fails, how long the others get to report
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(index: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        call_id, fn, rank, world_size, port, config, args, kwargs, do_launch = task
+        try:
+            if do_launch:
+                import gridtrain as gt
+
+                ctx = gt.launch(config or {}, rank, world_size, "127.0.0.1", port, backend="gloo")
+                try:
+                    out = fn(ctx, *args, **kwargs)
+                finally:
+                    gt.destroy()
+            else:
+                out = fn(rank, world_size, port, *args, **kwargs)
+            results.put((call_id, rank, True, out))
+        except BaseException:  # noqa: BLE001 - every failure must reach the parent
+            results.put((call_id, rank, False, traceback.format_exc()))
+
+
+class _Pool:
+    def __init__(self, size: int):
+        ctx = mp.get_context("spawn")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(size)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(i, self.tasks[i], self.results), daemon=True)
+            for i in range(size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.calls = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+        self.kill()
+
+
+_POOL: _Pool | None = None
+
+
+def _pool() -> _Pool:
+    global _POOL
+    if _POOL is None or not _POOL.alive():
+        if _POOL is not None:
+            _POOL.kill()
+        _POOL = _Pool(MAX_WORKERS)
+    return _POOL
+
+
+def _discard_pool() -> None:
+    global _POOL
+    if _POOL is not None:
+        _POOL.kill()
+        _POOL = None
+
+
+@atexit.register
+def _shutdown() -> None:
+    if _POOL is not None:
+        _POOL.close()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    config: dict | None = None,
+    timeout: float = 180.0,
+    launch: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` gloo ranks; return each rank's result, in rank order.
+
+    With ``launch=True`` each rank calls ``gridtrain.launch(config, ...)`` and
+    then ``fn(ctx, *args, **kwargs)``; with ``launch=False`` it calls
+    ``fn(rank, world_size, port, *args, **kwargs)`` and sets up nothing itself.
+    ``fn`` must be a module-level function (it is pickled by name).
+    """
+    if not 1 <= world_size <= MAX_WORKERS:
+        raise ValueError(f"world_size must be in [1, {MAX_WORKERS}], got {world_size}")
+    pool = _pool()
+    pool.calls += 1
+    call_id = pool.calls
+    port = free_port()
+    for rank in range(world_size):
+        pool.tasks[rank].put((call_id, fn, rank, world_size, port, config, args, kwargs, launch))
+
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) + len(failures) < world_size:
+        wait = deadline - time.monotonic()
+        if failures:
+            wait = min(wait, GRACE_S)
+        if wait <= 0:
+            break
+        try:
+            cid, rank, ok, value = pool.results.get(timeout=wait)
+        except queue.Empty:
+            break
+        if cid != call_id:  # a late answer from a discarded call
+            continue
+        (outputs if ok else failures)[rank] = value
+
+    if failures or len(outputs) < world_size:
+        _discard_pool()
+        missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
+        if failures:
+            rank = min(failures)
+            stuck = f"; ranks {missing} did not finish" if missing else ""
+            raise RuntimeError(
+                f"rank {rank} of {world_size} failed{stuck}:\n{failures[rank]}"
+            ) from None
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout}s")
+    return [outputs[r] for r in range(world_size)]
