@@ -1,0 +1,162 @@
+"""What `gridtrain run` starts, as plain data: host lists and the exact commands per host.
+
+Nothing here starts a process, so tests can check every command a node would
+run. ``gridtrain.cli`` parses the arguments into a ``RunSpec`` and runs the
+commands built here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gridtrain.launch import CONFIG_ENV
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's default
+# Forwarded to every ssh session besides GRIDTRAIN_CONFIG: the knobs people set in
+# the launching shell and expect the workers to see (a login shell would drop them).
+FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+
+
+class UsageError(ValueError):
+    """A command line that cannot run; the message names the argument."""
+
+
+@dataclass
+class RunSpec:
+    """A validated `gridtrain run` command line.
+
+    ``hosts`` is empty for a run on this machine only (then ``nnodes`` and
+    ``node_rank`` are passed to torchrun as given); otherwise one ssh session
+    is started per host and host ``i`` is node ``i``.
+    """
+
+    config: str  # absolute path, exported as GRIDTRAIN_CONFIG
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    hosts: list[str] = field(default_factory=list)
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    ssh_port: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> list[str]:
+    """Hosts from hostfile text: one per line, ``#`` comments, an optional ``slots=N`` ignored.
+
+    The number of processes per host comes from ``--nproc_per_node`` (the same on
+    every node), so ``slots`` is accepted for compatibility with MPI/DeepSpeed
+    hostfiles but not used.
+    """
+    hosts = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        words = raw.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, extra = words[0], words[1:]
+        for word in extra:
+            key, _, value = word.partition("=")
+            if key != "slots" or not value.isdigit():
+                raise UsageError(
+                    f"--hostfile {source}, line {lineno}: expected 'HOST [slots=N]', got {raw.strip()!r}"
+                )
+        hosts.append(host)
+    return hosts
+
+
+def split_hosts(value: str) -> list[str]:
+    """``"a, b,c"`` -> ``["a", "b", "c"]``."""
+    return [h.strip() for h in value.split(",") if h.strip()]
+
+
+def select_hosts(
+    hosts: list[str],
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    nnodes: int | None = None,
+) -> list[str]:
+    """Filter ``hosts`` (order kept) by ``--include`` / ``--exclude``, then keep the first ``nnodes``."""
+    dup = sorted({h for h in hosts if hosts.count(h) > 1})
+    if dup:
+        raise UsageError(f"host {dup[0]!r} is listed more than once")
+    for flag, names in (("--include", include), ("--exclude", exclude)):
+        unknown = [h for h in names or [] if h not in hosts]
+        if unknown:
+            raise UsageError(
+                f"{flag}: host {unknown[0]!r} is not in the host list ({', '.join(hosts)})"
+            )
+    if include:
+        hosts = [h for h in hosts if h in include]
+    if exclude:
+        hosts = [h for h in hosts if h not in exclude]
+    if not hosts:
+        raise UsageError("no hosts left after --include/--exclude")
+    if nnodes is not None:
+        if nnodes > len(hosts):
+            raise UsageError(f"--nnodes {nnodes} but only {len(hosts)} hosts: {', '.join(hosts)}")
+        hosts = hosts[:nnodes]
+    return hosts
+
+
+def torchrun_command(spec: RunSpec, python: str, node_rank: int) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command for node ``node_rank``."""
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(spec.nproc_per_node),
+        "--nnodes",
+        str(spec.nnodes),
+        "--node_rank",
+        str(node_rank),
+        "--master_addr",
+        spec.master_addr,
+        "--master_port",
+        str(spec.master_port),
+        spec.script,
+        *spec.script_args,
+    ]
+
+
+def forwarded_env(spec: RunSpec, env: Mapping[str, str]) -> dict[str, str]:
+    """Variables each ssh session exports: GRIDTRAIN_CONFIG and the forwarded prefixes."""
+    out = {k: v for k, v in sorted(env.items()) if k.startswith(FORWARDED_ENV_PREFIXES)}
+    out[CONFIG_ENV] = spec.config
+    return out
+
+
+def build_host_commands(
+    spec: RunSpec,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    python: str | None = None,
+) -> list[tuple[str, list[str]]]:
+    """``(host, ssh argv)`` per host: cd to ``cwd``, export the config, run torchrun as node i.
+
+    ``env``, ``cwd`` and ``python`` default to this process's environment,
+    working directory and interpreter; the remote hosts are expected to see the
+    same paths (a shared file system), as with ``colossalai run``.
+    """
+    env = os.environ if env is None else env
+    cwd = os.getcwd() if cwd is None else cwd
+    python = python or sys.executable
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded_env(spec, env).items())
+    ssh = ["ssh"] + (["-p", str(spec.ssh_port)] if spec.ssh_port is not None else [])
+    commands = []
+    for node_rank, host in enumerate(spec.hosts):
+        remote = (
+            f"cd {shlex.quote(cwd)} && export {exports} && "
+            f"exec {shlex.join(torchrun_command(spec, python, node_rank))}"
+        )
+        commands.append((host, [*ssh, host, remote]))
+    return commands

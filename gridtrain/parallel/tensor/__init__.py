@@ -1,0 +1,1 @@
+"""Tensor-parallel layer implementations, one file per mode; ``layers.py`` dispatches."""
