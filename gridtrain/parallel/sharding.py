@@ -112,3 +112,23 @@ def load_full_state_dict(
         t.copy_(shard)
     if missing:
         raise KeyError(f"full state dict lacks {len(missing)} keys, e.g. {missing[:5]}")
+
+
+# ---- which group averages a parameter's gradient ------------------------------------------
+_DP_ATTR = "_gt_dp_mode"
+
+
+def set_dp_mode(param: Tensor, mode: ParallelMode) -> Tensor:
+    """Override the group over which ``param``'s gradient is averaged (experts: EXPERT_DATA)."""
+    setattr(param, _DP_ATTR, mode)
+    return param
+
+
+def get_dp_mode(param: Tensor, ctx: ParallelContext) -> ParallelMode:
+    """The group over which ``param``'s gradient is averaged between replicas.
+
+    DATA by default; SEQUENCE_DP under sequence parallelism (the sequence shards
+    of one batch hold the same weights); whatever a layer set with ``set_dp_mode``.
+    """
+    default = ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
+    return getattr(param, _DP_ATTR, default)

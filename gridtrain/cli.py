@@ -1,0 +1,361 @@
+"""The ``gridtrain`` command: ``run`` a training script on many processes, print a ``topo``.
+
+``gridtrain run`` validates everything it can (files, host lists, the config's
+layout for the world size it is about to start) before it starts any process,
+then runs torch's own elastic launcher (``python -m torch.distributed.run``)
+on this machine, or once per host over ssh. The config path reaches the script
+through ``GRIDTRAIN_CONFIG``, so ``gt.launch_from_torch()`` needs no argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gridtrain.cli_hosts import (
+    DEFAULT_MASTER_PORT,
+    RunSpec,
+    UsageError,
+    build_host_commands,
+    parse_hostfile,
+    select_hosts,
+    split_hosts,
+    torchrun_command,
+)
+from gridtrain.config import Config, ConfigError
+from gridtrain.launch import CONFIG_ENV
+
+EXAMPLES = """\
+examples:
+  gridtrain run --nproc_per_node 4 --config configs/2d.py train.py --lr 0.1
+  gridtrain run --host node1,node2 --nproc_per_node 8 --config config.py train.py
+  gridtrain run --hostfile hosts.txt --exclude node3 --config config.py train.py
+  gridtrain topo --config configs/2d.py --world-size 16
+"""
+
+RUN_DESCRIPTION = """\
+Start train.py on nproc_per_node processes per node through torch's elastic
+launcher (python -m torch.distributed.run). Without --host/--hostfile it runs on
+this machine; with them it opens one ssh session per host, cds into the current
+directory there and runs the same launcher as node i of len(hosts).
+
+The config is loaded and checked against the world size (nproc_per_node x
+nnodes) before anything starts; its absolute path is exported as
+GRIDTRAIN_CONFIG, so the script calls gridtrain.launch_from_torch() with no
+argument. Everything after the script name is passed to the script.
+"""
+
+HOSTFILE_HELP = """\
+hostfile: one host per line, '#' starts a comment, an optional 'slots=N' after
+the host is accepted and ignored (every node runs --nproc_per_node processes).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gridtrain`` argument parser with its ``run`` and ``topo`` sub-commands."""
+    parser = argparse.ArgumentParser(
+        prog="gridtrain",
+        description="Config-driven data, pipeline and tensor parallel training.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="launch a training script on one or several nodes",
+        description=RUN_DESCRIPTION,
+        epilog=HOSTFILE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("--config", required=True, help="gridtrain config (.py, .yaml or .yml)")
+    run.add_argument(
+        "--nproc_per_node",
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes per node, usually one per GPU (default: 1)",
+    )
+    nodes = run.add_argument_group("nodes (default: this machine only)")
+    nodes.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="N",
+        help="with --host/--hostfile: use the first N hosts; without: this machine is "
+        "node --node_rank of N and the other nodes run the same command",
+    )
+    nodes.add_argument(
+        "--node_rank",
+        "--node-rank",
+        type=int,
+        metavar="I",
+        help="without --host/--hostfile: this machine's node rank (default: 0)",
+    )
+    nodes.add_argument("--host", metavar="A,B", help="comma-separated hosts to run on over ssh")
+    nodes.add_argument("--hostfile", metavar="FILE", help="file listing the hosts (see below)")
+    nodes.add_argument("--include", metavar="A,B", help="use only these hosts of the list")
+    nodes.add_argument("--exclude", metavar="A,B", help="use every host of the list but these")
+    nodes.add_argument(
+        "--ssh-port", "--ssh_port", type=int, metavar="P", help="ssh port (default: ssh's own)"
+    )
+    rdzv = run.add_argument_group("rendezvous")
+    rdzv.add_argument(
+        "--master_addr",
+        "--master-addr",
+        metavar="A",
+        help="address of node 0 (default: the first host, or 127.0.0.1 on one machine)",
+    )
+    rdzv.add_argument(
+        "--master_port",
+        "--master-port",
+        type=int,
+        metavar="P",
+        help=f"port on node 0 (default: {DEFAULT_MASTER_PORT}; a free port on one machine)",
+    )
+    run.add_argument(
+        "--dry-run", action="store_true", help="print the command(s) instead of running them"
+    )
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(handler=_cmd_run, parser=run)
+
+    topo = sub.add_parser(
+        "topo",
+        help="print the rank grid and every process group, starting nothing",
+        description="Print how --world-size ranks are cut into data, pipeline, tensor "
+        "(and per-mode) groups under this config, without starting any process.",
+    )
+    topo.add_argument("--config", required=True, help="gridtrain config (.py, .yaml or .yml)")
+    topo.add_argument("--world-size", "--world_size", type=int, required=True, metavar="N")
+    topo.set_defaults(handler=_cmd_topo, parser=topo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``gridtrain`` console script; returns the exit code.
+
+    Usage errors and impossible layouts exit with code 2 and a one-line
+    message, before any process is started.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (UsageError, ConfigError) as err:
+        args.parser.error(str(err))  # prints usage + message, exits 2
+    return 2  # unreachable: error() exits
+
+
+# ---- run ------------------------------------------------------------------------------------
+def run_spec(args: argparse.Namespace) -> RunSpec:
+    """Check a parsed ``gridtrain run`` command line and the config's layout; build the spec.
+
+    Raises ``UsageError`` (naming the argument) or ``ConfigError`` (the config's
+    own message); starts nothing.
+    """
+    if args.nproc_per_node < 1:
+        raise UsageError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
+    if args.nnodes is not None and args.nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if args.host is not None and args.hostfile is not None:
+        raise UsageError("give --host or --hostfile, not both")
+    if args.include is not None and args.exclude is not None:
+        raise UsageError("give --include or --exclude, not both")
+    multi = args.host is not None or args.hostfile is not None
+    if not multi and (args.include is not None or args.exclude is not None):
+        raise UsageError("--include/--exclude filter the hosts of --host or --hostfile")
+    for flag, port in (("--master_port", args.master_port), ("--ssh-port", args.ssh_port)):
+        if port is not None and not 0 < port < 65536:
+            raise UsageError(f"{flag} must be in 1..65535, got {port}")
+    if not Path(args.script).is_file():
+        raise UsageError(f"script '{args.script}' does not exist")
+    if not Path(args.config).is_file():
+        raise UsageError(f"--config '{args.config}' does not exist")
+
+    spec = RunSpec(
+        config=os.path.abspath(args.config),
+        script=args.script,
+        script_args=list(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        ssh_port=args.ssh_port,
+    )
+    if multi:
+        if args.node_rank is not None:
+            raise UsageError("--node_rank is set per host when --host/--hostfile is given")
+        if args.hostfile is not None:
+            if not Path(args.hostfile).is_file():
+                raise UsageError(f"--hostfile '{args.hostfile}' does not exist")
+            hosts = parse_hostfile(Path(args.hostfile).read_text(), args.hostfile)
+            if not hosts:
+                raise UsageError(f"--hostfile '{args.hostfile}' lists no hosts")
+        else:
+            hosts = split_hosts(args.host)
+            if not hosts:
+                raise UsageError("--host lists no hosts")
+        spec.hosts = select_hosts(
+            hosts,
+            split_hosts(args.include) if args.include is not None else None,
+            split_hosts(args.exclude) if args.exclude is not None else None,
+            args.nnodes,
+        )
+        spec.nnodes = len(spec.hosts)
+        spec.master_addr = args.master_addr or spec.hosts[0]
+        spec.master_port = args.master_port or DEFAULT_MASTER_PORT
+    else:
+        if args.ssh_port is not None:
+            raise UsageError("--ssh-port needs --host or --hostfile")
+        spec.nnodes = args.nnodes or 1
+        spec.node_rank = args.node_rank or 0
+        if not 0 <= spec.node_rank < spec.nnodes:
+            raise UsageError(f"--node_rank must be in [0, {spec.nnodes}), got {spec.node_rank}")
+        if spec.nnodes > 1 and args.master_addr is None:
+            raise UsageError(
+                f"--nnodes {spec.nnodes} without --host/--hostfile starts only this node; "
+                "give --master_addr, the address of node 0 that every node can reach"
+            )
+        spec.master_addr = args.master_addr or "127.0.0.1"
+        if args.master_port is not None:
+            spec.master_port = args.master_port
+        elif spec.nnodes == 1:
+            spec.master_port = _free_port()  # like torchrun --standalone: no clash with other jobs
+    _check_layout(spec)
+    return spec
+
+
+def _check_layout(spec: RunSpec) -> None:
+    """Load the config and fail now, with its message, if the world size cannot run it."""
+    cfg = load_config(spec.config)
+    try:
+        cfg.check_world_size(spec.world_size)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{err} (--nproc_per_node {spec.nproc_per_node} x --nnodes {spec.nnodes})"
+        ) from None
+
+
+def load_config(path: str) -> Config:
+    """``Config.from_file`` with every failure as a ``ConfigError`` that names the file."""
+    if not Path(path).is_file():
+        raise UsageError(f"--config '{path}' does not exist")
+    try:
+        return Config.from_file(path)
+    except ConfigError as err:
+        raise ConfigError(f"--config {path}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a config is user code; report, don't trace back
+        raise ConfigError(f"--config {path} failed to load: {type(err).__name__}: {err}") from None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(returncode: int) -> int:
+    # a child killed by signal N reports -N; shells report 128 + N
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    spec = run_spec(args)
+    if spec.hosts:
+        commands = build_host_commands(spec)
+        if args.dry_run:
+            for _, argv in commands:
+                print(shlex.join(argv))
+            return 0
+        return run_hosts(commands)
+    argv = torchrun_command(spec, sys.executable, spec.node_rank)
+    if args.dry_run:
+        print(f"{CONFIG_ENV}={shlex.quote(spec.config)} {shlex.join(argv)}")
+        return 0
+    return run_local(argv, spec.config)
+
+
+def run_local(argv: list[str], config: str) -> int:
+    """Run the launcher on this machine with GRIDTRAIN_CONFIG set; return its exit code."""
+    proc = subprocess.Popen(argv, env={**os.environ, CONFIG_ENV: config})
+    try:
+        return _exit_code(proc.wait())
+    except KeyboardInterrupt:
+        # Ctrl-C reached the launcher too (same process group); let it stop its workers.
+        return _exit_code(proc.wait())
+
+
+def run_hosts(commands: list[tuple[str, list[str]]], poll_s: float = 0.1) -> int:
+    """Run one ssh session per host, each output line prefixed with ``[host]``.
+
+    Returns 0 when every host succeeds, else the exit code of the first host to
+    fail; the other sessions are then terminated, since their workers cannot
+    finish without the failed node.
+    """
+    lock = threading.Lock()
+    out = sys.stdout.buffer
+
+    def pump(host: str, stream) -> None:
+        prefix = f"[{host}] ".encode()
+        for line in iter(stream.readline, b""):
+            with lock:
+                out.write(prefix + line)
+                out.flush()
+
+    procs, threads = [], []
+    for host, argv in commands:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        thread = threading.Thread(target=pump, args=(host, proc.stdout), daemon=True)
+        thread.start()
+        procs.append((host, proc))
+        threads.append(thread)
+
+    failed: tuple[str, int] | None = None
+    try:
+        while failed is None and any(p.poll() is None for _, p in procs):
+            for host, proc in procs:
+                code = proc.poll()
+                if code:
+                    failed = (host, _exit_code(code))
+                    break
+            else:
+                time.sleep(poll_s)
+        if failed is None:  # all exited; one may have failed during the last sleep
+            failed = next(((h, _exit_code(p.returncode)) for h, p in procs if p.returncode), None)
+    except KeyboardInterrupt:
+        failed = ("", 128 + signal.SIGINT)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in procs:
+            proc.wait()
+        for thread in threads:
+            thread.join(timeout=5)
+    if failed is None:
+        return 0
+    host, code = failed
+    if host:
+        print(f"gridtrain run: host {host} exited with code {code}", file=sys.stderr)
+    return code
+
+
+# ---- topo -----------------------------------------------------------------------------------
+def _cmd_topo(args: argparse.Namespace) -> int:
+    from gridtrain.parallel.topology import format_topology
+
+    cfg = load_config(args.config)
+    print(format_topology(cfg, args.world_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
