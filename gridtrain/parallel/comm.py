@@ -333,3 +333,17 @@ def all_reduce_max(x: Tensor, group: Group) -> Tensor:
 all_reduce_ = _all_reduce
 broadcast_ = _broadcast
 all_gather_raw = _all_gather
+
+
+def all_reduce_async(x: Tensor, group: Group, op=dist.ReduceOp.SUM):
+    """Start an in-place all-reduce of contiguous ``x``; returns the work handle (None on a group of one).
+
+    For the engine's overlapped data-parallel gradient sync: call ``.wait()`` before reading ``x``.
+    """
+    n = world(group)
+    if n == 1:
+        return None
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
+    _count("all_reduce", x, 2 * (n - 1) / n)
+    return dist.all_reduce(x, op=op, group=group, async_op=True)
