@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=HOSTFILE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--config", required=True, help="gridtrain config (.py, .yaml or .yml)")
+    # not required=True: run_spec says so itself, with a hint when it came after the script
+    run.add_argument("--config", help="gridtrain config (.py, .yaml or .yml); required")
     run.add_argument(
         "--nproc_per_node",
         "--nproc-per-node",
@@ -162,6 +163,10 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
     Raises ``UsageError`` (naming the argument) or ``ConfigError`` (the config's
     own message); starts nothing.
     """
+    if args.config is None:
+        late = any(a.split("=")[0] == "--config" for a in args.script_args)
+        hint = "; options after the script name go to the script, put --config before it"
+        raise UsageError("--config is required" + (hint if late else ""))
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
     if args.nnodes is not None and args.nnodes < 1:
