@@ -332,6 +332,7 @@ def all_reduce_max(x: Tensor, group: Group) -> Tensor:
 # non-differentiable in-place helpers for engine code (gradients, buffers)
 all_reduce_ = _all_reduce
 broadcast_ = _broadcast
+reduce_ = _reduce  # SUMMA's reduce of partial products to the block owner (dst = global rank)
 all_gather_raw = _all_gather
 
 
