@@ -348,3 +348,13 @@ def all_reduce_async(x: Tensor, group: Group, op=dist.ReduceOp.SUM):
         raise ValueError("all_reduce_async needs a contiguous tensor (it reduces in place)")
     _count("all_reduce", x, 2 * (n - 1) / n)
     return dist.all_reduce(x, op=op, group=group, async_op=True)
+
+
+def all_gather_object(obj, group: Group) -> list:
+    """Every rank's picklable ``obj``, in local-rank order (checkpoint metadata across stages)."""
+    n = world(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
