@@ -1,0 +1,222 @@
+"""Train a GPT-2 family model with gridtrain; the config file picks the parallel layout.
+
+    gridtrain run --nproc_per_node 4 --config demos/gpt/configs/demo.py demos/gpt/train.py
+    gridtrain run --nproc_per_node 1 --config demos/gpt/configs/none.py demos/gpt/train.py \\
+        --preset small --seq-len 1024 --batch-size 8 --data my.txt
+
+Command-line arguments override the config's UPPER_CASE constants (PRESET,
+TRAIN_ITERS, GLOBAL_BATCH_SIZE, SEQ_LEN, LR, ...), which override the defaults.
+``--batch-size`` is the global batch: each data-parallel rank gets its share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import data as gpt_data  # noqa: E402 - the demo's own modules, next to this file
+import model as gpt_model  # noqa: E402
+
+import gridtrain as gt  # noqa: E402
+from gridtrain.parallel import comm  # noqa: E402
+
+PM = gt.ParallelMode
+
+# (argument, config constant, type, default, help)
+ARGS = [
+    ("preset", "PRESET", str, "tiny", "model size: tiny, small (124M) or medium (350M)"),
+    ("steps", "TRAIN_ITERS", int, 200, "optimizer steps"),
+    ("batch_size", "GLOBAL_BATCH_SIZE", int, 16, "sequences per step over all data ranks"),
+    ("seq_len", "SEQ_LEN", int, 128, "tokens per sequence"),
+    ("lr", "LR", float, 1e-3, "peak learning rate (linear warm-up, cosine decay to lr/10)"),
+    ("warmup", "WARMUP_ITERS", int, 10, "warm-up steps"),
+    ("weight_decay", "WEIGHT_DECAY", float, 0.1, "AdamW decay of matrices"),
+    ("dropout", "DROPOUT", float, 0.0, "dropout probability"),
+    ("eval_batches", "EVAL_BATCHES", int, 8, "held-out batches evaluated at the end"),
+    ("sample_tokens", "SAMPLE_TOKENS", int, 200, "tokens generated at the end"),
+    ("data", "DATA", str, None, "text file to train on (default: Python's pydoc topics)"),
+    ("plot", "PLOT", str, None, "save the loss curve to this image (matplotlib)"),
+    ("seed", "SEED", int, 0, "weight-init and sampling seed"),
+]
+
+
+def parse_args(config, argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name, const, typ, default, help_ in ARGS:
+        default = getattr(config, const, default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, help=help_)
+    parser.add_argument("--prompt", default="The ", help="text the sample continues")
+    args = parser.parse_args(argv)
+    for name in ("steps", "batch_size", "seq_len", "eval_batches"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def make_loader(dataset, batch_size: int, shuffle: bool, ctx: gt.ParallelContext):
+    """Each data-parallel rank's share of every global batch (same on a tensor group)."""
+    dp = ctx.data_parallel_size
+    if batch_size % dp:
+        raise SystemExit(f"--batch-size {batch_size} is not divisible by data-parallel size {dp}")
+    try:
+        from gridtrain.data import get_dataloader
+    except ModuleNotFoundError:  # until gridtrain.data lands: the same thing by hand
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = DistributedSampler(
+            dataset, dp, ctx.local_rank(PM.DATA), shuffle=shuffle, seed=0, drop_last=True
+        )
+        return DataLoader(dataset, batch_size // dp, sampler=sampler, drop_last=True)
+    return get_dataloader(dataset, batch_size // dp, shuffle=shuffle, drop_last=True)
+
+
+def forever(loader):
+    """Batches from ``loader`` epoch after epoch (reshuffled through the sampler's epoch)."""
+    epoch = 0
+    while True:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def mean_loss(loss, ctx: gt.ParallelContext) -> float:
+    """Mean over every rank that computed a loss (pipeline: last stages only; tensor ranks
+    hold equal copies), i.e. the global batch's mean loss."""
+    t = torch.zeros(2, device=ctx.device)
+    if loss is not None:
+        t[0], t[1] = loss.detach().float(), 1.0
+    comm.all_reduce_(t, ctx.group(PM.GLOBAL))
+    return (t[0] / t[1]).item()
+
+
+def lr_lambda(args):
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_optimizer(model, args):
+    """AdamW, decaying matrices only (GPT-2 / nanoGPT practice)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        dict(params=[p for p in params if p.dim() >= 2], weight_decay=args.weight_decay),
+        dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
+    ]
+    fused = dict(fused=True) if next(model.parameters()).is_cuda else {}
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), **fused)
+
+
+@torch.no_grad()
+def evaluate(engine, loader, batches: int, ctx) -> float:
+    engine.eval()
+    losses = []
+    for _, batch in zip(range(batches), forever(loader)):
+        _, _, loss = engine.execute_schedule(
+            iter([batch]), forward_only=True, return_loss=True, return_output_label=False
+        )
+        losses.append(mean_loss(loss, ctx))
+    engine.train()
+    return sum(losses) / len(losses)
+
+
+def main(argv=None) -> dict:
+    ctx = gt.launch_from_torch()
+    args = parse_args(ctx.config, argv)
+    rank0 = ctx.global_rank == 0
+    train_tokens, val_tokens = gpt_data.split_corpus(gpt_data.load_corpus(args.data))
+    cfg = gpt_model.preset(
+        args.preset,
+        vocab_size=gpt_data.VOCAB_SIZE,
+        block_size=max(args.seq_len, 1),
+        dropout=args.dropout,
+    )
+    model = gpt_model.GPT(cfg, seed=args.seed).to(ctx.device)
+    optimizer = build_optimizer(model, args)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    train_dl = make_loader(
+        gpt_data.WindowDataset(train_tokens, args.seq_len), args.batch_size, True, ctx
+    )
+    val_dl = make_loader(
+        gpt_data.WindowDataset(val_tokens, args.seq_len), args.batch_size, False, ctx
+    )
+    engine, train_dl, val_dl, scheduler = gt.initialize(
+        model, optimizer, gpt_model.GPTLoss(), train_dl, val_dl, scheduler
+    )
+    if rank0:
+        print(
+            f"{ctx!r}\nGPT {args.preset}: {cfg.num_params() / 1e6:.2f}M parameters, "
+            f"{len(train_tokens) / 1e3:.0f}k train / {len(val_tokens) / 1e3:.0f}k held-out bytes, "
+            f"global batch {args.batch_size} x {args.seq_len} tokens",
+            flush=True,
+        )
+
+    tokens_per_step = args.batch_size * args.seq_len
+    losses: list[float] = []
+    bar = tqdm(total=args.steps, disable=not rank0, dynamic_ncols=True, mininterval=1.0)
+    batches = forever(train_dl)
+    engine.train()
+    start = tick = time.perf_counter()
+    for _ in range(args.steps):
+        engine.zero_grad()
+        _, _, loss = engine.execute_schedule(
+            batches, forward_only=False, return_loss=True, return_output_label=False
+        )
+        engine.step()  # also steps the LR scheduler
+        losses.append(mean_loss(loss, ctx))
+        now = time.perf_counter()
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
+        bar.update()
+        tick = now
+    bar.close()
+    elapsed = time.perf_counter() - start
+
+    held_out = evaluate(engine, val_dl, args.eval_batches, ctx)
+    dense = gpt_model.dense_copy(engine.model, cfg, ctx.device)  # collective
+    result = dict(losses=losses, held_out=held_out, seconds=elapsed)
+    if rank0:
+        print(
+            f"trained {args.steps} steps in {elapsed:.1f} s "
+            f"({args.steps * tokens_per_step / elapsed:,.0f} tokens/s)\n"
+            f"train loss: first {losses[0]:.3f}, last {losses[-1]:.3f}; "
+            f"held-out loss {held_out:.3f} (uniform guess {math.log(cfg.vocab_size):.3f})"
+        )
+        gen = torch.Generator(device=ctx.device).manual_seed(args.seed)
+        prompt = gpt_data.encode(args.prompt).to(ctx.device)[None]
+        out = gpt_model.generate(dense, prompt, args.sample_tokens, 0.8, 20, gen)
+        print("---- sample ----\n" + gpt_data.decode(out[0].tolist()) + "\n----------------")
+        if args.plot:
+            plot(losses, held_out, args.plot)
+    gt.destroy()
+    return result
+
+
+def plot(losses: list[float], held_out: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(losses) + 1), losses, label="train")
+    ax.axhline(held_out, color="tab:orange", linestyle="--", label=f"held-out {held_out:.3f}")
+    ax.set(xlabel="step", ylabel="cross entropy (nats/byte)", title="GPT on gridtrain")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"loss curve saved to {path}")
+
+
+if __name__ == "__main__":
+    main()
