@@ -1,0 +1,116 @@
+"""What ``gt.initialize`` does when ``parallel.pipeline > 1``: cut the model, rebind the optimizer,
+pick the schedule."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gridtrain.config import ConfigError
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.pipeline.partition import SHARED_ATTR, PipelineStage, build_stage
+from gridtrain.parallel.pipeline.schedule import (
+    InterleavedPipelineSchedule,
+    PipelineSchedule,
+    check_interleaved,
+)
+
+logger = logging.getLogger("gridtrain")
+
+
+def check_pipeline_config(ctx: ParallelContext) -> tuple[int, int]:
+    """(num_microbatches, num_chunks), or a ConfigError naming the key; no communication."""
+    cfg = ctx.config
+    pipeline = ctx.world_size(ParallelMode.PIPELINE)
+    chunks = cfg.parallel.pipeline.num_chunks
+    m = cfg.num_microbatches
+    if m is None:
+        raise ConfigError(
+            f"parallel.pipeline = {pipeline} needs num_microbatches in the config "
+            f"(e.g. num_microbatches = {2 * pipeline})"
+        )
+    if chunks > 1:
+        try:
+            check_interleaved(m, pipeline, chunks)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    return m, chunks
+
+
+def rebind_optimizer(
+    optimizer: Optimizer | None, new_of: dict[int, nn.Parameter]
+) -> Optimizer | None:
+    """The same optimizer class, defaults and param-group settings over this stage's params.
+
+    ``new_of`` maps id(original parameter) -> the stage's parameter (itself, or
+    its materialised copy); parameters of other stages are dropped. Groups
+    left empty are kept so LR schedulers see the same number of groups.
+    """
+    if optimizer is None:
+        return None
+    if optimizer.state:
+        raise ValueError(
+            "pipeline parallelism rebinds the optimizer to this stage's parameters; pass an "
+            "optimizer without state (load optimizer state after gt.initialize)"
+        )
+    groups = []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        params = [new_of[id(p)] for p in group["params"] if id(p) in new_of]
+        groups.append({"params": params, **settings})
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if takes_kwargs or k in accepted}
+    if not any(g["params"] for g in groups):
+        # torch optimizers refuse an empty parameter list; a stage of parameter-free
+        # layers still steps (on nothing), so give it a placeholder
+        groups[0]["params"] = [nn.Parameter(torch.zeros(0), requires_grad=False)]
+    return type(optimizer)(groups, **defaults)
+
+
+def prepare_pipeline(
+    model: nn.Module, optimizer: Optimizer | None, ctx: ParallelContext
+) -> tuple[PipelineStage, Optimizer | None, PipelineSchedule]:
+    """Keep this rank's stage of ``model``; returns (stage module, optimizer, schedule).
+
+    Called by ``gt.initialize`` on every rank when ``parallel.pipeline > 1``,
+    before amp wrapping and gradient handlers. The schedule is
+    ``InterleavedPipelineSchedule`` when ``parallel.pipeline.num_chunks > 1``, else
+    ``PipelineSchedule`` (1F1B).
+    """
+    m, chunks = check_pipeline_config(ctx)
+    cfg = ctx.config.parallel.pipeline
+    pipeline = ctx.world_size(ParallelMode.PIPELINE)
+    stage, new_of = build_stage(
+        model,
+        ctx.local_rank(ParallelMode.PIPELINE),
+        pipeline,
+        chunks,
+        cfg.partition,
+        ctx.device,
+    )
+    optimizer = rebind_optimizer(optimizer, new_of)
+    if chunks > 1:
+        schedule = InterleavedPipelineSchedule(ctx, m, chunks, cfg.tensor_shape)
+    else:
+        schedule = PipelineSchedule(ctx, m, cfg.tensor_shape)
+    return stage, optimizer, schedule
+
+
+def has_pipeline_shared(model: nn.Module) -> bool:
+    """Whether ``model`` holds a weight tied across pipeline stages (then the engine adds
+    ``PipelineSharedModuleGradientHandler`` to the default handlers)."""
+    return any(getattr(p, SHARED_ATTR, False) for p in model.parameters())
+
+
+def mark_pipeline_shared(*params: Any) -> None:
+    """Declare weights that are tied across stages but are separate tensors (e.g. built by
+    separate layer factories): their gradients are summed between first and last stage."""
+    for p in params:
+        setattr(p, SHARED_ATTR, True)

@@ -1,0 +1,221 @@
+"""Point-to-point transfers between adjacent pipeline stages, with shape and dtype exchange.
+
+Every transfer is one call of ``PipelineP2P.communicate`` (Megatron's
+``_communicate``): activations go to the next stage, gradients to the previous
+one, both posted in one ``dist.batch_isend_irecv`` so that the matching calls of
+two neighbours cannot deadlock (gloo and NCCL alike). The next/previous stage
+wraps round, which the interleaved schedule needs (last stage -> first stage).
+
+The receiver of an activation does not know its shape, so unless a fixed
+``tensor_shape`` is configured, the sender first sends a small int64 header
+(number of tensors, and per tensor its dtype, rank and sizes). Gradients need
+no header: they have the shapes of the activations their receiver sent.
+A stage may pass a tuple of tensors (e.g. hidden states and a mask); only
+floating tensors carry gradients back.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+
+Payload = Tensor | tuple[Tensor, ...] | None
+
+MAX_TENSORS = 8
+MAX_DIMS = 8
+_HEADER = 2 + MAX_TENSORS * (2 + MAX_DIMS)  # count, is_tuple, then (dtype, ndim, sizes...)
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+]
+
+
+def as_tuple(x: Payload) -> tuple[Tensor, ...]:
+    if x is None:
+        return ()
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _encode(tensors: tuple[Tensor, ...], is_tuple: bool, device: torch.device) -> Tensor:
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(
+            f"a pipeline stage may send at most {MAX_TENSORS} tensors, got {len(tensors)}"
+        )
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = len(tensors), int(is_tuple)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"a pipeline stage must output tensors (or a tuple of them), got {type(t).__name__}"
+            )
+        if t.dtype not in _DTYPES or t.dim() > MAX_DIMS:
+            raise ValueError(
+                f"cannot send a {t.dtype} tensor of {t.dim()} dims between pipeline stages "
+                f"(dtypes {_DTYPES}, at most {MAX_DIMS} dims)"
+            )
+        at = 2 + i * (2 + MAX_DIMS)
+        header[at], header[at + 1] = _DTYPES.index(t.dtype), t.dim()
+        header[at + 2 : at + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return header.to(device)
+
+
+def _decode(header: Tensor) -> tuple[list[tuple[torch.Size, torch.dtype]], bool]:
+    h = header.tolist()
+    specs = []
+    for i in range(h[0]):
+        at = 2 + i * (2 + MAX_DIMS)
+        dtype, ndim = _DTYPES[h[at]], h[at + 1]
+        specs.append((torch.Size(h[at + 2 : at + 2 + ndim]), dtype))
+    return specs, bool(h[1])
+
+
+_WARMED: weakref.WeakSet = weakref.WeakSet()
+
+
+class PipelineP2P:
+    """Sends and receives between this rank and its pipeline neighbours.
+
+    ``tensor_shape`` (``parallel.pipeline.tensor_shape``) skips the header: every
+    activation then has that shape and is sent as ``dtype``.
+    """
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        tensor_shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.ctx = ctx
+        self.group = ctx.group(ParallelMode.PIPELINE)
+        self.next_rank = ctx.next_global_rank(ParallelMode.PIPELINE)
+        self.prev_rank = ctx.prev_global_rank(ParallelMode.PIPELINE)
+        self.device = ctx.device
+        self.tensor_shape = tuple(tensor_shape) if tensor_shape else None
+        self.dtype = dtype
+        if ctx not in _WARMED:
+            # NCCL: the first call on a group must involve all its ranks, and
+            # batch_isend_irecv between two of them would not; a collective does.
+            dist.barrier(group=self.group)
+            _WARMED.add(ctx)
+
+    def _batch(self, ops: list[dist.P2POp]) -> None:
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+    def communicate(
+        self,
+        send_next: Payload = None,
+        send_prev: Payload = None,
+        recv_prev: bool = False,
+        recv_next_like: Payload = None,
+    ) -> tuple[Payload, Payload]:
+        """One exchange with both neighbours; returns (from previous, from next).
+
+        ``send_next``: activations for the next stage. ``send_prev``: gradients for
+        the previous stage. ``recv_prev``: receive activations from the previous
+        stage. ``recv_next_like``: the activations this rank sent whose gradients
+        it now receives from the next stage (their shapes; None = no receive).
+        """
+        fwd = as_tuple(send_next)
+        if send_next is not None and self.tensor_shape is not None:
+            fwd = tuple(t.to(self.dtype) for t in fwd)
+        recv_specs: list[tuple[torch.Size, torch.dtype]] = []
+        recv_tuple = False
+        if self.tensor_shape is None:
+            ops, header_in = [], None
+            if send_next is not None:
+                header_out = _encode(fwd, isinstance(send_next, tuple), self.device)
+                ops.append(dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
+            if recv_prev:
+                header_in = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, header_in, self.prev_rank, self.group))
+            self._batch(ops)
+            if header_in is not None:
+                recv_specs, recv_tuple = _decode(header_in.cpu())
+        elif recv_prev:
+            recv_specs = [(torch.Size(self.tensor_shape), self.dtype)]
+
+        ops = []
+        for t in fwd:
+            ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), self.next_rank, self.group))
+        from_prev = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_specs]
+        for t in from_prev:
+            ops.append(dist.P2POp(dist.irecv, t, self.prev_rank, self.group))
+        for g in as_tuple(send_prev):
+            ops.append(dist.P2POp(dist.isend, g.contiguous(), self.prev_rank, self.group))
+        from_next = [
+            torch.empty_like(t, dtype=self.dtype if self.tensor_shape else t.dtype)
+            for t in as_tuple(recv_next_like)
+            if t.is_floating_point()
+        ]
+        for g in from_next:
+            ops.append(dist.P2POp(dist.irecv, g, self.next_rank, self.group))
+        self._batch(ops)
+
+        prev_out: Payload = None
+        if recv_prev:
+            for t in from_prev:
+                t.requires_grad_(t.is_floating_point())
+            prev_out = tuple(from_prev) if recv_tuple else from_prev[0]
+        next_out: Payload = None
+        if recv_next_like is not None:
+            grads = iter(from_next)
+            sent = as_tuple(recv_next_like)
+            next_out = tuple(
+                next(grads).to(t.dtype) if t.is_floating_point() else None for t in sent
+            )
+        return prev_out, next_out
+
+
+def input_grads(inputs: Payload) -> Payload:
+    """The gradients to send back for received ``inputs`` (zeros where none flowed)."""
+    if inputs is None:
+        return None
+    return tuple(
+        (t.grad if t.grad is not None else torch.zeros_like(t))
+        for t in as_tuple(inputs)
+        if t.is_floating_point()
+    )
+
+
+_SHARED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def first_last_stage_group(ctx: ParallelContext) -> dist.ProcessGroup | None:
+    """The group {first stage, last stage} of this rank's pipeline (tied embedding/head).
+
+    Collective over the world on first use (every rank creates every pair, in
+    the same order); cached per context. None on ranks of neither stage.
+    """
+    if ctx not in _SHARED_GROUPS:
+        mine = None
+        groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for ranks in _all_pipelines(ctx):
+            pair = (ranks[0], ranks[-1])
+            if pair not in groups:
+                groups[pair] = dist.new_group(list(pair))
+            if ctx.global_rank in pair:
+                mine = groups[pair]
+        _SHARED_GROUPS[ctx] = mine
+    return _SHARED_GROUPS[ctx]
+
+
+def _all_pipelines(ctx: ParallelContext) -> list[tuple[int, ...]]:
+    from gridtrain.parallel.topology import build_groups
+
+    return build_groups(ctx.config, dist.get_world_size())[ParallelMode.PIPELINE]
