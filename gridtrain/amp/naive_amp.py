@@ -1,0 +1,122 @@
+"""Naive fp16: the model computes in fp16, the optimizer steps fp32 master weights.
+
+Gradients arrive on the fp16 parameters scaled by the dynamic loss scale; they
+are copied into fp32 master gradients and unscaled, an overflow on any rank
+skips the step on every rank (flag all-reduced over GLOBAL), and after a step
+the masters are copied back into the fp16 model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from gridtrain.amp.optimizer import AmpOptimizer
+from gridtrain.amp.scaler import DynamicLossScaler
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+
+# tags other parts of gridtrain read off a parameter; masters carry them too
+PARAM_TAGS = ("_gt_shard_spec", "_gt_dp_mode", "_gt_pipeline_shared")
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class NaiveAmpModel(nn.Module):
+    """The user's module cast to fp16; floating inputs go in as fp16, outputs come out fp32."""
+
+    gt_wrapper = True  # sharding.unwrap() sees through it
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.float16):
+        super().__init__()
+        self.module = module.to(dtype)
+        self.dtype = dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*_cast_floats(args, self.dtype), **_cast_floats(kwargs, self.dtype))
+        return _cast_floats(out, torch.float32)
+
+
+class NaiveAmpOptimizer(AmpOptimizer):
+    """Steps fp32 master copies of the model's parameters under a dynamic loss scale.
+
+    Build it *before* casting the model to fp16, so the masters start from the
+    exact fp32 weights.
+    """
+
+    def __init__(self, optim: Optimizer, ctx: ParallelContext, scaler: DynamicLossScaler):
+        super().__init__(optim)
+        self.ctx = ctx
+        self.scaler = scaler
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, fp32 master)
+        self._model_of: dict[int, Tensor] = {}
+        for group in optim.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
+                for tag in PARAM_TAGS:
+                    if hasattr(p, tag):
+                        setattr(master, tag, getattr(p, tag))
+                if p in optim.state:  # state loaded before initialize() moves to the master
+                    optim.state[master] = optim.state.pop(p)
+                self._pairs.append((p, master))
+                self._model_of[id(master)] = p
+                masters.append(master)
+            group["params"] = masters
+
+    def model_param_for(self, param: Tensor) -> Tensor:
+        return self._model_of.get(id(param), param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, master in self._pairs:
+            p.grad = None
+            master.grad = None
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return loss.float() * self.scaler.scale
+
+    @torch.no_grad()
+    def unscale_and_check(self) -> bool:
+        inv_scale = 1.0 / self.scaler.scale
+        overflow = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            master.grad = p.grad.float().mul_(inv_scale)
+            overflow = torch.maximum(overflow, (~torch.isfinite(master.grad)).any().float())
+        comm.all_reduce_(
+            overflow, self.ctx.group(ParallelMode.GLOBAL), op=torch.distributed.ReduceOp.MAX
+        )
+        return bool(overflow.item())
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optim.step()
+        for p, master in self._pairs:
+            p.copy_(master)
+
+    def update_scale(self, overflow: bool) -> None:
+        self.scaler.update(overflow)
+
+    @torch.no_grad()
+    def sync_model_from_masters(self) -> None:
+        """Copy the masters into the fp16 model (after loading a checkpoint into the masters)."""
+        for p, master in self._pairs:
+            p.copy_(master)
+
+    def masters(self) -> list[tuple[Tensor, Tensor]]:
+        """(fp16 model parameter, fp32 master) pairs."""
+        return list(self._pairs)

@@ -1,0 +1,70 @@
+"""Global gradient-norm clipping that is tensor-, pipeline- and expert-parallel aware.
+
+The dense model's squared norm is the sum over every distinct gradient shard of
+its squared norm. Each rank adds ``||g||^2 / copies(param)`` for its parameters,
+where ``copies`` is how many ranks hold an identical copy of that shard once
+data-parallel gradients are synced, and one scalar all-reduce over GLOBAL sums
+it: every distinct shard is then counted exactly once. The result equals
+``torch.nn.utils.clip_grad_norm_`` on the dense model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.sharding import get_shard_spec
+
+PIPELINE_SHARED_ATTR = "_gt_pipeline_shared"  # tied weights that live on two pipeline stages
+EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+def copies(param: Tensor, ctx: ParallelContext) -> int:
+    """Ranks holding an identical copy of ``param``'s shard after the data-parallel sync.
+
+    Within one pipeline stage the data x tensor ranks hold ``prod(world sizes of
+    the spec's modes)`` distinct shards, each as often as the rest; a tied
+    weight tagged ``_gt_pipeline_shared`` also lives on a second stage.
+    """
+    replicas = ctx.world_size(ParallelMode.DATA) * ctx.world_size(ParallelMode.TENSOR)
+    shards = math.prod(ctx.world_size(mode) for _, mode in get_shard_spec(param))
+    if replicas % shards:
+        raise ValueError(
+            f"a parameter's shard spec {get_shard_spec(param)} splits it {shards} ways, which does "
+            f"not divide data x tensor = {replicas} ranks of a pipeline stage"
+        )
+    return replicas // shards * (2 if getattr(param, PIPELINE_SHARED_ATTR, False) else 1)
+
+
+def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext) -> Tensor:
+    """The 2-norm of the dense model's gradient (fp32 scalar on ``ctx.device``, same on all ranks)."""
+    total = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    seen: set[int] = set()
+    for p in params:
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.grad.detach().float().pow(2).sum().to(ctx.device) / copies(p, ctx)
+    comm.all_reduce_(total, ctx.group(ParallelMode.GLOBAL))
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[Tensor], max_norm: float, ctx: ParallelContext) -> Tensor:
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``; returns the norm before clipping.
+
+    Collective over GLOBAL: every rank must call it. Gradients must be unscaled
+    (no loss scale) and already averaged over their data-parallel groups.
+    """
+    params = list({id(p): p for p in params if p.grad is not None}.values())
+    norm = global_grad_norm(params, ctx)
+    coef = (max_norm / (norm + EPS)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return norm
