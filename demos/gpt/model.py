@@ -49,7 +49,7 @@ class GPTConfig:
     block_size: int = 256  # longest sequence (rows of the position embedding)
     vocab_size: int = 256  # 256 = byte level; GPT-2 BPE is 50257, padded to 50304
     dropout: float = 0.0  # residual, embedding and attention-probability dropout
-    bias: bool = True  # biases in Linears and LayerNorms (GPT-2 has them)
+    bias: bool = True  # biases in the Linears (GPT-2 has them; LayerNorms always do)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -65,8 +65,8 @@ class GPTConfig:
         """Dense parameter count (tied head counted once); ``embeddings=False`` drops the
         position table, the convention of the 6·N·tokens FLOP estimate (nanoGPT, PaLM)."""
         h, b = self.n_embd, int(self.bias)
-        block = 12 * h * h + b * 9 * h + 2 * h * (1 + b)  # qkv+proj+fc+fc2 (+biases), 2 LNs
-        n = self.vocab_size * h + self.n_layer * block + h * (1 + b)
+        block = 12 * h * h + b * 9 * h + 4 * h  # qkv+proj+fc+fc2 (+ biases), 2 LayerNorms
+        n = self.vocab_size * h + self.n_layer * block + 2 * h
         return n + (self.block_size * h if embeddings else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
