@@ -120,6 +120,10 @@ def _all_to_all(x: Tensor, split_dim: int, cat_dim: int, group: Group) -> Tensor
     n = world(group)
     if n == 1:
         return x
+    if x.shape[split_dim] % n:  # uneven chunks would make gloo fail and NCCL hang or corrupt
+        raise ValueError(
+            f"all-to-all: dim {split_dim} of size {x.shape[split_dim]} does not split {n} ways"
+        )
     inputs = [c.contiguous() for c in x.chunk(n, dim=split_dim)]
     outputs = [torch.empty_like(c) for c in inputs]
     _count("all_to_all", x, (n - 1) / n)
@@ -329,10 +333,29 @@ def all_reduce_max(x: Tensor, group: Group) -> Tensor:
     return _all_reduce(x.detach().clone(), group, op=dist.ReduceOp.MAX)
 
 
-# non-differentiable in-place helpers for engine code (gradients, buffers)
-all_reduce_ = _all_reduce
-broadcast_ = _broadcast
-reduce_ = _reduce  # SUMMA's reduce of partial products to the block owner (dst = global rank)
+# non-differentiable in-place helpers for engine code (gradients, buffers); the collectives
+# run on a contiguous copy when handed a view, so write the result back into the caller's tensor
+def _in_place(x: Tensor, out: Tensor) -> Tensor:
+    if out is not x:
+        x.copy_(out)
+    return x
+
+
+def all_reduce_(x: Tensor, group: Group, op=dist.ReduceOp.SUM) -> Tensor:
+    """In-place all-reduce of ``x`` (a non-contiguous view too); returns ``x``."""
+    return _in_place(x, _all_reduce(x, group, op))
+
+
+def broadcast_(x: Tensor, src: int, group: Group) -> Tensor:
+    """In-place broadcast of ``x`` from global rank ``src`` (a view too); returns ``x``."""
+    return _in_place(x, _broadcast(x, src, group))
+
+
+def reduce_(x: Tensor, dst: int, group: Group) -> Tensor:
+    """SUMMA's in-place reduce of partial products to the block owner (``dst`` = global rank)."""
+    return _in_place(x, _reduce(x, dst, group))
+
+
 all_gather_raw = _all_gather
 
 
