@@ -73,6 +73,8 @@ def _dense_optimizer_state(optimizer, model: nn.Module, ctx: ParallelContext) ->
         for p in group["params"]:
             owner = _owner(optimizer, p)
             if id(owner) not in names:
+                if owner.numel() == 0:  # a pipeline stage's placeholder parameter
+                    continue
                 raise KeyError("the optimizer holds a parameter that is not in the model")
             name = names[id(owner)]
             group_of[name] = index
@@ -102,9 +104,9 @@ def _load_dense_optimizer_state(
         entry = {**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": []}
         for p in group["params"]:
             owner = _owner(optimizer, p)
-            name = names[id(owner)]
+            name = names.get(id(owner))
             entry["params"].append(index)
-            if name in saved["state"]:
+            if name is not None and name in saved["state"]:
                 dense = _dense_shape(owner, ctx)
                 local["state"][index] = {
                     k: shard_tensor(v, get_shard_spec(owner), ctx)

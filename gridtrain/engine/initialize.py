@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gridtrain.amp import convert_to_amp
+from gridtrain.config import GradientHandlerConfig
 from gridtrain.engine.clip import PIPELINE_SHARED_ATTR
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.engine import Engine
@@ -34,6 +35,16 @@ def broadcast_from_first_replica(model: nn.Module, ctx: ParallelContext) -> None
         comm.broadcast_(data, ctx.ranks(mode)[0], ctx.group(mode))
         if data.data_ptr() != t.data.data_ptr():
             t.data.copy_(data)
+
+
+def _any_rank_has_shared(model: nn.Module, ctx: ParallelContext) -> bool:
+    """Whether any stage holds tied pipeline weights (the handler's set-up is collective)."""
+    if ctx.pipeline_parallel_size == 1:
+        return False
+    local = any(getattr(p, PIPELINE_SHARED_ATTR, False) for p in model.parameters())
+    flag = torch.tensor([1.0 if local else 0.0], device=ctx.device)
+    comm.all_reduce_(flag, ctx.group(ParallelMode.GLOBAL))
+    return flag.item() > 0
 
 
 def _prepare_pipeline(model, optimizer, ctx):
@@ -90,14 +101,9 @@ def initialize(
     model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx)
 
     names = [h.type for h in cfg.gradient_handler]
-    if (
-        ctx.pipeline_parallel_size > 1
-        and "PipelineSharedModuleGradientHandler" not in names
-        and any(getattr(p, PIPELINE_SHARED_ATTR, False) for p in model.parameters())
-    ):
-        cfg_handlers = [*cfg.gradient_handler, _entry("PipelineSharedModuleGradientHandler")]
-    else:
-        cfg_handlers = list(cfg.gradient_handler)
+    cfg_handlers = list(cfg.gradient_handler)
+    if "PipelineSharedModuleGradientHandler" not in names and _any_rank_has_shared(model, ctx):
+        cfg_handlers.append(GradientHandlerConfig(type="PipelineSharedModuleGradientHandler"))
     handlers = [handler_class(h.type)(model, ctx, **h.kwargs) for h in cfg_handlers]
     data_parallel = None
     if not any(n in DATA_PARALLEL_HANDLERS for n in names):
@@ -124,9 +130,3 @@ def initialize(
         lr_scheduler=lr_scheduler,
     )
     return engine, train_dataloader, test_dataloader, lr_scheduler
-
-
-def _entry(name: str):
-    from gridtrain.config import GradientHandlerConfig
-
-    return GradientHandlerConfig(type=name)

@@ -1,0 +1,148 @@
+"""Data parallelism through gt.initialize: N ranks equal one process on the concatenated batch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import MLP, dense_state, dense_train, global_batches, rank_slice, sgd
+from harness import run_distributed
+
+import gridtrain as gt
+from gridtrain.engine.data_parallel import OverlappedDataParallel
+from gridtrain.gradient_handlers import SequenceParallelGradientHandler
+from gridtrain.parallel import comm
+
+PM = gt.ParallelMode
+STEPS, GLOBAL_BATCH = 3, 8
+# fp32 gradients summed in a different order (per-rank means, then all-reduce): ~1e-7 relative
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _train_dp(ctx, perturb):
+    state = dense_state()
+    model = MLP()
+    model.load_state_dict(state)
+    if perturb and ctx.global_rank != 0:  # initialize must broadcast rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    rank, world = ctx.local_rank(PM.DATA), ctx.world_size(PM.DATA)
+    losses = []
+    for x, y in global_batches(STEPS, GLOBAL_BATCH):
+        engine.zero_grad()
+        loss = engine.criterion(engine(rank_slice(x, rank, world)), rank_slice(y, rank, world))
+        engine.backward(loss)
+        assert engine.step()
+        losses.append(loss.item())
+    return gt.full_state_dict(engine.model), losses, engine.data_parallel is not None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("handler", [None, "DataParallelGradientHandler"])
+def test_data_parallel_equals_one_process(world, handler):
+    config = dict(gradient_handler=[dict(type=handler)] if handler else [])
+    results = run_distributed(_train_dp, world, True, config=config, timeout=300)
+    ref_state, ref_losses, _ = dense_train(dense_state(), global_batches(STEPS, GLOBAL_BATCH), sgd)
+    for state, losses, overlapped in results:
+        assert overlapped == (handler is None), "no handler named -> the overlapped path"
+        for key in ref_state:
+            torch.testing.assert_close(state[key], ref_state[key], **TOL)
+    # mean of the per-rank losses is the global-batch loss (equal shards)
+    per_step = torch.tensor([r[1] for r in results]).mean(0)
+    torch.testing.assert_close(per_step, torch.tensor(ref_losses), **TOL)
+
+
+def _overlap_launches_during_backward(ctx):
+    torch.manual_seed(0)
+    model = MLP()
+    dp = OverlappedDataParallel(model, ctx, bucket_size_mb=1e-6)  # one bucket per parameter
+    x = torch.randn(4, 8) + ctx.global_rank
+    launched_in_backward = []
+    with dp.overlap():
+        F.mse_loss(model(x), torch.zeros(4, 4)).backward()
+        launched_in_backward.append(dp._next)  # buckets already in flight before finish()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    dp.finish()
+    return (
+        len(dp.buckets),
+        launched_in_backward[0],
+        local,
+        {n: p.grad.clone() for n, p in model.named_parameters()},
+    )
+
+
+def test_overlapped_buckets_launch_during_backward_and_average():
+    results = run_distributed(_overlap_launches_during_backward, 2, timeout=300)
+    for buckets, launched, _, synced in results:
+        assert buckets == 4 and launched == 4, "every bucket started inside backward"
+    mean = {k: (results[0][2][k] + results[1][2][k]) / 2 for k in results[0][2]}
+    for _, _, _, synced in results:
+        for k in mean:
+            torch.testing.assert_close(synced[k], mean[k], **TOL)
+
+
+def _accumulate_twice_in_overlap(ctx):
+    model = MLP()
+    dp = OverlappedDataParallel(model, ctx)
+    x = torch.randn(4, 8)
+    with dp.overlap():
+        model(x).sum().backward()
+        model(x).sum().backward()
+
+
+def test_second_backward_inside_overlap_is_an_error():
+    with pytest.raises(RuntimeError, match="accumulated again after its data-parallel all-reduce"):
+        run_distributed(_accumulate_twice_in_overlap, 2, timeout=300)
+
+
+def _sequence_handler(ctx, use_handler):
+    torch.manual_seed(0)
+    model = MLP()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(ctx.global_rank))
+    if use_handler:
+        SequenceParallelGradientHandler(model, ctx).handle_gradient()
+    else:
+        OverlappedDataParallel(model, ctx).finish()  # default path, group from get_dp_mode
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("use_handler", [True, False])
+def test_sequence_mode_averages_over_sequence_dp(use_handler):
+    # world 4 = data 2 x sequence 2: SEQUENCE_DP spans all four ranks
+    config = dict(parallel=dict(tensor=dict(size=2, mode="sequence")))
+    results = run_distributed(_sequence_handler, 4, use_handler, config=config, timeout=300)
+    for grads in results:
+        for g in grads:
+            assert torch.all(g == 1.5), "mean of ranks 0..3"  # exact: small integers / 4
+
+
+def _sequence_handler_outside_sequence(ctx):
+    SequenceParallelGradientHandler(MLP(), ctx)
+
+
+def test_sequence_handler_needs_sequence_mode():
+    with pytest.raises(RuntimeError, match="needs parallel.tensor.mode 'sequence'"):
+        run_distributed(_sequence_handler_outside_sequence, 1, timeout=300)
+
+
+def _no_sync_before_last_micro_step(ctx):
+    torch.manual_seed(0)
+    model = MLP()
+    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    sent = []
+    engine.zero_grad()
+    for x, y in global_batches(4, 4, seed=ctx.global_rank):
+        with comm.count_bytes() as counter:
+            engine.backward(engine.criterion(engine(x), y))
+        sent.append(counter["all_reduce"])
+        engine.step()
+    return sent
+
+
+def test_accumulation_syncs_only_in_last_backward():
+    results = run_distributed(
+        _no_sync_before_last_micro_step, 2, config=dict(gradient_accumulation=4), timeout=300
+    )
+    for sent in results:
+        assert sent[:3] == [0, 0, 0] and sent[3] > 0, sent
