@@ -43,7 +43,7 @@ def test_data_parallel_equals_one_process(world, handler):
     config = dict(gradient_handler=[dict(type=handler)] if handler else [])
     results = run_distributed(_train_dp, world, True, config=config, timeout=300)
     ref_state, ref_losses, _ = dense_train(dense_state(), global_batches(STEPS, GLOBAL_BATCH), sgd)
-    for state, losses, overlapped in results:
+    for state, _losses, overlapped in results:
         assert overlapped == (handler is None), "no handler named -> the overlapped path"
         for key in ref_state:
             torch.testing.assert_close(state[key], ref_state[key], **TOL)
@@ -73,7 +73,7 @@ def _overlap_launches_during_backward(ctx):
 
 def test_overlapped_buckets_launch_during_backward_and_average():
     results = run_distributed(_overlap_launches_during_backward, 2, timeout=300)
-    for buckets, launched, _, synced in results:
+    for buckets, launched, _, _synced in results:
         assert buckets == 4 and launched == 4, "every bucket started inside backward"
     mean = {k: (results[0][2][k] + results[1][2][k]) / 2 for k in results[0][2]}
     for _, _, _, synced in results:
