@@ -12,9 +12,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gridtrain.config import ConfigError
+from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.pipeline.partition import SHARED_ATTR, PipelineStage, build_stage
+from gridtrain.parallel.pipeline.p2p import first_last_stage_group
+from gridtrain.parallel.pipeline.partition import SHARED_ATTR, TIE_ATTR, PipelineStage, build_stage
 from gridtrain.parallel.pipeline.schedule import (
     InterleavedPipelineSchedule,
     PipelineSchedule,
@@ -87,6 +89,7 @@ def prepare_pipeline(
     m, chunks = check_pipeline_config(ctx)
     cfg = ctx.config.parallel.pipeline
     pipeline = ctx.world_size(ParallelMode.PIPELINE)
+    on_meta = any(p.is_meta for p in model.parameters())
     stage, new_of = build_stage(
         model,
         ctx.local_rank(ParallelMode.PIPELINE),
@@ -95,12 +98,29 @@ def prepare_pipeline(
         cfg.partition,
         ctx.device,
     )
+    if on_meta:
+        _sync_tied_from_first_stage(stage, ctx)
     optimizer = rebind_optimizer(optimizer, new_of)
     if chunks > 1:
         schedule = InterleavedPipelineSchedule(ctx, m, chunks, cfg.tensor_shape)
     else:
         schedule = PipelineSchedule(ctx, m, cfg.tensor_shape)
     return stage, optimizer, schedule
+
+
+@torch.no_grad()
+def _sync_tied_from_first_stage(stage: nn.Module, ctx: ParallelContext) -> None:
+    """Freshly materialised tied copies differ between first and last stage: take the first's."""
+    shared = sorted(
+        (p for p in stage.parameters() if getattr(p, SHARED_ATTR, False)),
+        key=lambda p: getattr(p, TIE_ATTR, 0),
+    )
+    group = first_last_stage_group(ctx)
+    if not shared or group is None:
+        return
+    first = ctx.ranks(ParallelMode.PIPELINE)[0]
+    for p in shared:
+        comm.broadcast_(p.data, first, group)
 
 
 def has_pipeline_shared(model: nn.Module) -> bool:

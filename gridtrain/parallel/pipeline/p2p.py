@@ -199,23 +199,14 @@ _SHARED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def first_last_stage_group(ctx: ParallelContext) -> dist.ProcessGroup | None:
     """The group {first stage, last stage} of this rank's pipeline (tied embedding/head).
 
-    Collective over the world on first use (every rank creates every pair, in
-    the same order); cached per context. None on ranks of neither stage.
+    Only the two member ranks take part in creating it (local synchronisation),
+    so middle stages need not call this. Cached per context; None on middle stages.
     """
     if ctx not in _SHARED_GROUPS:
+        ranks = ctx.ranks(ParallelMode.PIPELINE)
+        pair = [ranks[0], ranks[-1]]
         mine = None
-        groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-        for ranks in _all_pipelines(ctx):
-            pair = (ranks[0], ranks[-1])
-            if pair not in groups:
-                groups[pair] = dist.new_group(list(pair))
-            if ctx.global_rank in pair:
-                mine = groups[pair]
+        if ctx.global_rank in pair and len(set(pair)) == 2:
+            mine = dist.new_group(pair, use_local_synchronization=True)
         _SHARED_GROUPS[ctx] = mine
     return _SHARED_GROUPS[ctx]
-
-
-def _all_pipelines(ctx: ParallelContext) -> list[tuple[int, ...]]:
-    from gridtrain.parallel.topology import build_groups
-
-    return build_groups(ctx.config, dist.get_world_size())[ParallelMode.PIPELINE]

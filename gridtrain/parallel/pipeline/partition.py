@@ -209,6 +209,8 @@ def _materialise(layers: list[nn.Module], device: torch.device) -> dict[int, nn.
             for attr, value in vars(old).items():  # keep tags (shard specs, dp mode)
                 setattr(new, attr, value)
     for layer in layers:
+        for t in [*layer.parameters(), *layer.buffers()]:
+            t.zero_()  # deterministic where no reset_parameters writes
         for m in layer.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()

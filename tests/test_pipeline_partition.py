@@ -1,0 +1,157 @@
+"""Partitioning (no processes) and the pipeline's clear errors (gloo, before any collective)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_distributed
+from pipeline_models import LMLoss, batches, tied_lm
+from torch import nn
+
+import gridtrain as gt
+from gridtrain.parallel.pipeline.engine_hooks import rebind_optimizer
+from gridtrain.parallel.pipeline.partition import build_stage, lazy_init, partition
+
+
+def test_uniform_partition_gives_earlier_parts_the_remainder():
+    assert partition([5] * 10, 4, "uniform") == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+def test_parameter_partition_minimises_the_largest_part():
+    # heavy embedding and head: each alone, the light middle layers together
+    assert partition([100, 1, 1, 1, 1, 100], 3, "parameters") == [(0, 1), (1, 5), (5, 6)]
+    assert partition([1, 1, 1, 9], 2, "parameters") == [(0, 3), (3, 4)]
+
+
+def test_partition_errors_name_the_numbers():
+    with pytest.raises(ValueError, match=r"cannot cut 3 layers into 4 pipeline parts"):
+        partition([1, 1, 1], 4)
+    with pytest.raises(ValueError, match=r"partition must be one of .*got 'greedy'"):
+        partition([1, 1], 2, "greedy")
+
+
+class Blocks(nn.Module):
+    """A non-Sequential model exposing its layers, with nested dotted names."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.out = nn.Linear(4, 2)
+
+    def pipeline_layers(self):
+        return [self.inp, *self.blocks, self.out]
+
+
+def test_stage_state_dict_keys_are_the_dense_keys():
+    model = Blocks()
+    dense = model.state_dict()
+    keys = []
+    for stage in range(2):
+        module, _ = build_stage(model, stage, 2)
+        keys.append(list(module.state_dict()))
+        for k, v in module.state_dict().items():
+            assert torch.equal(v, dense[k])
+    assert keys[0] == [
+        "inp.weight",
+        "inp.bias",
+        "blocks.0.weight",
+        "blocks.0.bias",
+        "blocks.1.weight",
+        "blocks.1.bias",
+    ]
+    assert keys[1] == ["blocks.2.weight", "blocks.2.bias", "out.weight", "out.bias"]
+    x = torch.randn(3, 4)
+    first, _ = build_stage(model, 0, 2)
+    last, _ = build_stage(model, 1, 2)
+    torch.testing.assert_close(
+        last(first(x)),
+        model.out(model.blocks[2](model.blocks[1](model.blocks[0](model.inp(x))))),
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_interleaved_chunks_are_virtual_stages():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(8)])
+    module, _ = build_stage(model, 1, 2, num_chunks=2)
+    # 8 layers, 4 parts: part c * P + s, so stage 1 holds parts 1 and 3
+    assert module.chunk_layer_names == [["2", "3"], ["6", "7"]]
+
+
+def test_unpartitionable_models_are_refused():
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="nn.Sequential or a model with pipeline_layers"):
+        build_stage(Plain(), 0, 2)
+
+    class Loose(nn.Sequential):
+        def __init__(self):
+            super().__init__(nn.Linear(2, 2), nn.Linear(2, 2))
+            self.scale = nn.Parameter(torch.ones(1))
+
+    with pytest.raises(ValueError, match=r"outside the pipeline layers.*\['scale'\]"):
+        build_stage(Loose(), 0, 2)
+
+
+def test_ties_between_middle_stages_are_refused():
+    a, b, c, d = (nn.Linear(2, 2) for _ in range(4))
+    c.weight = b.weight  # stages 1 and 2 of 4
+    with pytest.raises(ValueError, match=r"shared by pipeline stages \[1, 2\]"):
+        build_stage(nn.Sequential(a, b, c, d), 0, 4)
+
+
+def test_lazy_init_materialises_only_the_kept_layers():
+    with lazy_init():
+        model = tied_lm()
+    assert all(p.is_meta for p in model.parameters())
+    module, new_of = build_stage(model, 1, 2)  # layers 5..9, the tied head among them
+    assert not any(p.is_meta for p in module.parameters())
+    assert all(p.is_meta for p in model[0].parameters()), "other stages' layers stay on meta"
+    head = module.get_submodule("9")
+    assert head.weight._gt_pipeline_shared and head.weight.shape == (16, 8)
+    # Linear.reset_parameters re-ran; the classifier (no reset_parameters) is zero-filled
+    assert module.get_submodule("5").weight.abs().sum() > 0
+    assert torch.equal(head.bias, torch.zeros(16))
+    opt = torch.optim.SGD([dict(params=list(model.parameters()), lr=0.3)], lr=0.1, momentum=0.5)
+    new_opt = rebind_optimizer(opt, new_of)
+    (group,) = new_opt.param_groups
+    assert group["lr"] == 0.3 and group["momentum"] == 0.5
+    assert {id(p) for p in group["params"]} == {id(p) for p in module.parameters()}
+
+
+def _init(ctx, model_kind="lm", batch=8):
+    model = tied_lm() if model_kind == "lm" else nn.Sequential(nn.Linear(2, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = gt.initialize(model, opt, LMLoss(), ctx=ctx)
+    x, y = batches(1, batch)[0]
+    engine.execute_schedule(iter([(x, y)]))
+
+
+@pytest.mark.parametrize(
+    "config,kwargs,match",
+    [
+        (dict(parallel=dict(pipeline=2)), {}, r"parallel.pipeline = 2 needs num_microbatches"),
+        (
+            dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)), num_microbatches=3),
+            {},
+            r"num_microbatches 3 % pipeline 2 != 0",
+        ),
+        (
+            dict(parallel=dict(pipeline=2), num_microbatches=3),
+            {},
+            r"batch size 8 \(this rank's inputs\) is not divisible by num_microbatches 3",
+        ),
+        (
+            dict(parallel=dict(pipeline=2), num_microbatches=2),
+            dict(model_kind="one-layer"),
+            r"cannot cut 1 layers into 2 pipeline parts",
+        ),
+    ],
+    ids=["no-microbatches", "interleaved-divisibility", "batch-divisibility", "too-few-layers"],
+)
+def test_clear_errors_before_any_collective(config, kwargs, match):
+    with pytest.raises(RuntimeError, match=match):
+        run_distributed(_init, 2, config=config, timeout=300, **kwargs)
