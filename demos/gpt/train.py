@@ -66,16 +66,7 @@ def make_loader(dataset, batch_size: int, shuffle: bool, ctx: gt.ParallelContext
     dp = ctx.data_parallel_size
     if batch_size % dp:
         raise SystemExit(f"--batch-size {batch_size} is not divisible by data-parallel size {dp}")
-    try:
-        from gridtrain.data import get_dataloader
-    except ModuleNotFoundError:  # until gridtrain.data lands: the same thing by hand
-        from torch.utils.data import DataLoader, DistributedSampler
-
-        sampler = DistributedSampler(
-            dataset, dp, ctx.local_rank(PM.DATA), shuffle=shuffle, seed=0, drop_last=True
-        )
-        return DataLoader(dataset, batch_size // dp, sampler=sampler, drop_last=True)
-    return get_dataloader(dataset, batch_size // dp, shuffle=shuffle, drop_last=True)
+    return gt.data.get_dataloader(dataset, batch_size // dp, shuffle=shuffle, drop_last=True)
 
 
 def forever(loader):
