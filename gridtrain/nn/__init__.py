@@ -11,6 +11,7 @@ from gridtrain.parallel.tensor.layers import (
     VocabParallelClassifier,
     VocabParallelEmbedding,
     accuracy,
+    shared_input,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "VocabParallelClassifier",
     "VocabParallelEmbedding",
     "accuracy",
+    "shared_input",
 ]

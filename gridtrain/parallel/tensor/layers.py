@@ -7,6 +7,7 @@ file only picks the module from the current context's tensor mode.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
 from typing import Any
@@ -96,3 +97,11 @@ def accuracy(logits, labels, ctx: ParallelContext | None = None):
 def split_batch(x, ctx: ParallelContext):
     """This rank's part of a batch tensor under ``ctx``'s tensor mode (the engine calls this)."""
     return resolve("split_batch", ctx)(x, ctx)
+
+
+def shared_input(ctx: ParallelContext | None = None) -> contextlib.AbstractContextManager:
+    """``with gt.nn.shared_input():`` Linears built inside read the same input (separate q, k,
+    v projections); under 1d they get the same split (see ``mode_1d_linear``). A no-op where
+    the mode needs no such hint."""
+    fn = getattr(mode_module(ctx), "shared_input", None)
+    return fn(ctx) if fn is not None else contextlib.nullcontext()
