@@ -22,6 +22,12 @@ import gridtrain.nn as gnn
 from gridtrain.parallel.sharding import unwrap
 
 STEPS = 3
+
+
+def data_slice_rows(x, d, dp):
+    return x.chunk(dp)[d]
+
+
 MICRO = 8
 
 
@@ -43,6 +49,11 @@ def _train_pipeline(ctx, data, use_gt_nn: bool):
             grads = {n: p.grad.clone() for n, p in unwrap(engine.model).named_parameters()}
         engine.step()
         losses.append(loss.item())
+    engine.eval()  # forward-only evaluation: outputs and labels on the last stage
+    x, y = data[0]
+    out, label, eval_loss = engine.execute_schedule(
+        iter([(data_slice(x, ctx), data_slice(y, ctx))]), forward_only=True
+    )
     stage = unwrap(engine.model)
     shared = sorted(n for n, p in stage.named_parameters() if getattr(p, "_gt_pipeline_shared", 0))
     info = dict(
@@ -50,6 +61,7 @@ def _train_pipeline(ctx, data, use_gt_nn: bool):
         shared=shared,
         handlers=[type(h).__name__ for h in engine.gradient_handlers],
         schedule=type(engine.schedule).__name__,
+        eval=(out, label, eval_loss.item()),
         optimizer_groups=[
             {k: v for k, v in g.items() if k != "params"} | {"n": len(g["params"])}
             for g in engine.optimizer.param_groups
@@ -95,6 +107,19 @@ def test_pipeline_equals_dense(name):
     # the global-batch loss is the mean of the data-parallel ranks' losses
     dp_losses = torch.tensor([results[d * p][0] for d in range(dp)]).mean(0)
     torch.testing.assert_close(dp_losses, torch.tensor(dense_losses), atol=1e-5, rtol=1e-5)
+    # evaluation after training: the last stage's outputs are the dense model's
+    model = dense_model()
+    model.load_state_dict(dense_sd)
+    x, y = data[0]
+    with torch.no_grad():
+        logits = model(x)
+    for d in range(dp):
+        out, label, eval_loss = results[d * p + p - 1][3]["eval"]
+        # fp32, micro-batched forward: reordering only
+        torch.testing.assert_close(out, data_slice_rows(logits, d, dp), atol=1e-5, rtol=1e-5)
+        assert torch.equal(label, data_slice_rows(y, d, dp))
+        assert results[d * p][3]["eval"][0] is None, "no outputs on the first stage"
+        assert results[d * p][3]["eval"][2] == eval_loss, "the eval loss reaches every stage"
     first, last = results[0][3], results[p - 1][3]
     assert first["shared"] == ["0.weight"] and last["shared"] == [f"{9}.weight"]
     assert "PipelineSharedModuleGradientHandler" in first["handlers"], "default with tied weights"
@@ -142,3 +167,42 @@ def test_dp2_tp2_pp2_equals_dense():
     p, t = 2, 2
     dp_losses = torch.tensor([results[d * p * t][0] for d in range(2)]).mean(0)
     torch.testing.assert_close(dp_losses, torch.tensor(dense_losses), atol=1e-5, rtol=1e-5)
+
+
+ENGINE_FEATURES = {
+    # name: (config, batches, accumulation, clip, tolerance and its reason)
+    "accumulation2-clip": (
+        dict(parallel=dict(pipeline=2), gradient_accumulation=2, clip_grad_norm=0.05),
+        6,
+        2,
+        0.05,
+        1e-5,  # fp32: summation order only; the clip is active (the dense norm is > 0.05)
+    ),
+    "naive-fp16-interleaved": (
+        dict(
+            parallel=dict(pipeline=dict(size=2, num_chunks=2)),
+            fp16=dict(mode="naive", initial_scale=2**8),
+        ),
+        3,
+        1,
+        0.0,
+        5e-3,  # fp16 forward/backward (eps 1e-3) on weights of size ~0.3, fp32 masters
+    ),
+    "bf16": (dict(parallel=dict(pipeline=2), fp16=dict(mode="bf16")), 3, 1, 0.0, 3e-2),
+    # bf16 autocast keeps 8 mantissa bits (eps 8e-3); fp32 weights
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINE_FEATURES))
+def test_pipeline_with_engine_features_equals_dense(name):
+    config, n, accumulation, clip, tol = ENGINE_FEATURES[name]
+    config = dict(config, num_microbatches=MICRO)
+    data = batches(n, MICRO)
+    dense_losses, dense_sd, _ = train_dense(data, clip=clip, accumulation=accumulation)
+    results = run_distributed(_train_pipeline, 2, data, False, config=config, timeout=300)
+    for losses, full, _, _ in results:
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(dense_losses), atol=tol, rtol=0
+        )
+        for key, t in dense_sd.items():
+            torch.testing.assert_close(full[key].float(), t, atol=tol, rtol=0, msg=f"{name} {key}")

@@ -107,6 +107,7 @@ def test_lazy_init_materialises_only_the_kept_layers():
     with lazy_init():
         model = tied_lm()
     assert all(p.is_meta for p in model.parameters())
+    opt = torch.optim.SGD([dict(params=list(model.parameters()), lr=0.3)], lr=0.1, momentum=0.5)
     module, new_of = build_stage(model, 1, 2)  # layers 5..9, the tied head among them
     assert not any(p.is_meta for p in module.parameters())
     assert all(p.is_meta for p in model[0].parameters()), "other stages' layers stay on meta"
@@ -115,10 +116,12 @@ def test_lazy_init_materialises_only_the_kept_layers():
     # Linear.reset_parameters re-ran; the classifier (no reset_parameters) is zero-filled
     assert module.get_submodule("5").weight.abs().sum() > 0
     assert torch.equal(head.bias, torch.zeros(16))
-    opt = torch.optim.SGD([dict(params=list(model.parameters()), lr=0.3)], lr=0.1, momentum=0.5)
-    new_opt = rebind_optimizer(opt, new_of)
-    (group,) = new_opt.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    assert rebind_optimizer(opt, new_of) is opt, "same object: the LR scheduler still drives it"
+    (group,) = opt.param_groups
     assert group["lr"] == 0.3 and group["momentum"] == 0.5
+    sched.step()
+    assert group["lr"] == 0.15
     assert {id(p) for p in group["params"]} == {id(p) for p in module.parameters()}
 
 

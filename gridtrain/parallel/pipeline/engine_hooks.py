@@ -3,7 +3,6 @@ pick the schedule."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
@@ -48,32 +47,28 @@ def check_pipeline_config(ctx: ParallelContext) -> tuple[int, int]:
 def rebind_optimizer(
     optimizer: Optimizer | None, new_of: dict[int, nn.Parameter]
 ) -> Optimizer | None:
-    """The same optimizer class, defaults and param-group settings over this stage's params.
+    """Point ``optimizer`` at this stage's parameters only, in place.
 
     ``new_of`` maps id(original parameter) -> the stage's parameter (itself, or
-    its materialised copy); parameters of other stages are dropped. Groups
-    left empty are kept so LR schedulers see the same number of groups.
+    its materialised copy); parameters of other stages leave their groups (and
+    their state). Class, defaults and every group's settings stay, and so does
+    the object, so an LR scheduler built on it keeps driving it. Groups left
+    empty are kept so the number of groups does not change.
     """
     if optimizer is None:
         return None
-    if optimizer.state:
-        raise ValueError(
-            "pipeline parallelism rebinds the optimizer to this stage's parameters; pass an "
-            "optimizer without state (load optimizer state after gt.initialize)"
-        )
-    groups = []
     for group in optimizer.param_groups:
-        settings = {k: v for k, v in group.items() if k != "params"}
-        params = [new_of[id(p)] for p in group["params"] if id(p) in new_of]
-        groups.append({"params": params, **settings})
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    defaults = {k: v for k, v in optimizer.defaults.items() if takes_kwargs or k in accepted}
-    if not any(g["params"] for g in groups):
-        # torch optimizers refuse an empty parameter list; a stage of parameter-free
-        # layers still steps (on nothing), so give it a placeholder
-        groups[0]["params"] = [nn.Parameter(torch.zeros(0), requires_grad=False)]
-    return type(optimizer)(groups, **defaults)
+        kept = []
+        for p in group["params"]:
+            q = new_of.get(id(p))
+            if q is None:
+                optimizer.state.pop(p, None)
+                continue
+            if q is not p and p in optimizer.state:
+                optimizer.state[q] = optimizer.state.pop(p)
+            kept.append(q)
+        group["params"] = kept
+    return optimizer
 
 
 def prepare_pipeline(

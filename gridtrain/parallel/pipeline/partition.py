@@ -262,6 +262,7 @@ def build_stage(
     )
     if on_meta:
         new_of = _materialise([m for _, m in kept], device or torch.device("cpu"))
+        new_of.update({id(q): q for q in list(new_of.values())})  # already-new params map to self
     dense_order = [id(p) for p in model.parameters()]  # deduplicated, same on every rank
     for tie, pid in enumerate(sorted(shared, key=dense_order.index)):
         if pid in new_of:
