@@ -1,0 +1,188 @@
+"""Checkpoints: layout-free round trip, atomic writes, and stop-and-resume equal to one run."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import MLP, dense_state, global_batches, sharded_model
+from harness import run_distributed
+from torch.utils.data import TensorDataset
+
+import gridtrain as gt
+from gridtrain.amp import AMP_TYPE
+from gridtrain.engine import checkpoint as ckpt_mod
+
+PM = gt.ParallelMode
+TP2 = dict(parallel=dict(tensor=dict(size=2, mode="1d")))
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _sched(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _steps(engine, batches):
+    losses = []
+    for x, y in batches:
+        engine.zero_grad()
+        loss = engine.compute_loss(engine.forward_split(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _build(ctx, seed, sharded):
+    state = dense_state(seed)
+    if sharded:
+        model = sharded_model(ctx, state)
+    else:
+        model = MLP()
+        model.load_state_dict(state)
+    opt = _adam(model.parameters())
+    engine, _, _, sched = gt.initialize(model, opt, criterion=F.mse_loss, lr_scheduler=_sched(opt))
+    return engine, sched
+
+
+def _round_trip(ctx, path):
+    batches = global_batches(4, 8)
+    engine, sched = _build(ctx, 0, sharded=True)
+    _steps(engine, batches[:3])
+    gt.save_checkpoint(path, 7, engine.model, engine.optimizer, sched)
+    saved_opt = ckpt_mod._dense_optimizer_state(engine.optimizer, engine.model, ctx)
+    fresh, fresh_sched = _build(ctx, 123, sharded=True)  # different weights before loading
+    epoch = gt.load_checkpoint(path, fresh.model, fresh.optimizer, fresh_sched)
+    loaded_opt = ckpt_mod._dense_optimizer_state(fresh.optimizer, fresh.model, ctx)
+    a, b = gt.full_state_dict(fresh.model), gt.full_state_dict(engine.model)
+    same_model = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # one more step from both: equal only if Adam's moments and step count came back
+    _steps(engine, batches[3:])
+    _steps(fresh, batches[3:])
+    after = [gt.full_state_dict(e.model) for e in (engine, fresh)]
+    return (
+        epoch,
+        same_model,
+        saved_opt,
+        loaded_opt,
+        (sched.state_dict(), fresh_sched.state_dict()),
+        after,
+    )
+
+
+def _load_dense(ctx, path):
+    engine, sched = _build(ctx, 5, sharded=False)
+    epoch = gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
+    return epoch, ckpt_mod._dense_optimizer_state(engine.optimizer, engine.model, ctx)
+
+
+def _assert_state_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].keys() == b[name].keys()
+        for k in a[name]:
+            assert torch.equal(torch.as_tensor(a[name][k]), torch.as_tensor(b[name][k])), (name, k)
+
+
+def test_round_trip_under_tensor_parallelism_and_into_a_dense_model(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    results = run_distributed(_round_trip, 2, path, config=TP2, timeout=300)
+    for epoch, same_model, saved_opt, loaded_opt, (s1, s2), after in results:
+        assert epoch == 7 and same_model
+        _assert_state_equal(saved_opt["state"], loaded_opt["state"])  # exact copies
+        assert saved_opt["state"]["fc1.weight"]["exp_avg"].shape == (16, 8), "stored dense"
+        assert s1 == s2, "LR scheduler restored"
+        for key in after[0]:
+            assert torch.equal(after[0][key], after[1][key]), key  # bit-exact: same ops, same state
+    # the same file loads into the model built with no parallelism
+    ((epoch, dense_opt),) = run_distributed(_load_dense, 1, path, timeout=300)
+    assert epoch == 7
+    _assert_state_equal(dense_opt["state"], results[0][2]["state"])
+
+
+def _train_epochs(ctx, path, fp16, epochs, resume_from):
+    g = torch.Generator().manual_seed(3)
+    dataset = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g))
+    loader = gt.data.get_dataloader(dataset, batch_size=4, shuffle=True, seed=11)
+    engine, sched = _build(ctx, 0 if resume_from is None else 99, sharded=False)
+    start = (
+        0
+        if resume_from is None
+        else gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
+    )
+    losses = {}
+    for epoch in range(start, epochs):
+        loader.sampler.set_epoch(epoch)
+        losses[epoch] = _steps(engine, [(x.to(ctx.device), y.to(ctx.device)) for x, y in loader])
+        gt.save_checkpoint(path, epoch + 1, engine.model, engine.optimizer, sched)
+    scale = getattr(engine.optimizer, "scaler", None)
+    return losses, scale.state_dict() if scale is not None else None
+
+
+@pytest.mark.parametrize("fp16", [None, AMP_TYPE.NAIVE])
+def test_stop_and_resume_equals_uninterrupted(tmp_path, fp16):
+    config = dict(fp16=dict(mode=fp16, initial_scale=2.0**10, growth_interval=3)) if fp16 else {}
+    whole = run_distributed(
+        _train_epochs, 2, str(tmp_path / "a.pt"), fp16, 3, None, config=config, timeout=300
+    )
+    part = str(tmp_path / "b.pt")
+    run_distributed(_train_epochs, 2, part, fp16, 1, None, config=config, timeout=300)
+    resumed = run_distributed(_train_epochs, 2, part, fp16, 3, 1, config=config, timeout=300)
+    for (full, full_scale), (rest, rest_scale) in zip(whole, resumed, strict=True):
+        assert sorted(rest) == [1, 2]
+        # deterministic CPU run, same weights, optimizer, scheduler, scaler and data order:
+        # the losses are bit-identical
+        assert rest[1] == full[1] and rest[2] == full[2]
+        assert rest_scale == full_scale
+
+
+def _save_twice_crash_second(ctx, path):
+    model = MLP()
+    engine, _, _, _ = gt.initialize(model, _adam(model.parameters()))
+    gt.save_checkpoint(path, 1, engine.model, engine.optimizer)
+    real_save = torch.save
+
+    def crashing_save(obj, f, *args, **kwargs):
+        f.write(b"partial checkpoint bytes")
+        raise OSError("disk full (simulated)")
+
+    torch.save = crashing_save
+    try:
+        with pytest.raises(OSError, match="simulated"):
+            gt.save_checkpoint(path, 2, engine.model, engine.optimizer)
+    finally:
+        torch.save = real_save
+    return gt.load_checkpoint(path, engine.model, engine.optimizer)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    assert run_distributed(_save_twice_crash_second, 1, str(path), timeout=300) == [1]
+    assert os.listdir(tmp_path) == ["ckpt.pt"], "the temporary file was removed"
+
+
+def test_killed_mid_save_leaves_previous_checkpoint_and_only_a_hidden_temp(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"format": 1, "epoch": 1}, path)
+    # a process killed while writing: no cleanup code runs at all
+    script = textwrap.dedent(
+        f"""
+        import os, torch
+        from gridtrain.engine import checkpoint
+        def dying_save(obj, f, *a, **k):
+            f.write(b"partial"); f.flush(); os._exit(9)
+        torch.save = dying_save
+        checkpoint._atomic_save({{"epoch": 2}}, checkpoint.Path({str(path)!r}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], check=False)
+    assert proc.returncode == 9
+    assert torch.load(path, weights_only=False)["epoch"] == 1, "the old checkpoint is intact"
+    leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt.pt"]
+    assert leftovers and all(n.startswith(".ckpt.pt.tmp-") for n in leftovers), leftovers
