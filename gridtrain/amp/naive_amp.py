@@ -44,6 +44,13 @@ class NaiveAmpModel(nn.Module):
         self.module = module.to(dtype)
         self.dtype = dtype
 
+    def __getattr__(self, name: str) -> Any:
+        # a thin wrapper: attributes it lacks (a pipeline stage's, a model's helpers) are the module's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.module(*_cast_floats(args, self.dtype), **_cast_floats(kwargs, self.dtype))
         return _cast_floats(out, torch.float32)
