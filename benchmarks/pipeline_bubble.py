@@ -52,7 +52,7 @@ class SleepLayer(nn.Module):
         self.fwd_s = fwd_s
 
     def forward(self, x):
-        return _Work.apply(x, self.fwd_s) + self.w
+        return _Work.apply(x + self.w, self.fwd_s)
 
 
 class MatmulLayer(nn.Module):
@@ -94,7 +94,8 @@ def _run(rank: int, world: int, port: int, args, out):
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
             engine, *_ = gt.initialize(model, opt, nn.MSELoss(), ctx=ctx)
             engine.schedule.timing = True
-            x = torch.randn(m * mb, layers[0].w.shape[0])
+            # the input needs a gradient too, so the first stage's backward costs what others' do
+            x = torch.randn(m * mb, layers[0].w.shape[0], device=ctx.device, requires_grad=True)
             idle = []
             for step in range(args.steps + 1):
                 comm.all_reduce_(torch.zeros(1, device=ctx.device), ctx.group())  # align start
