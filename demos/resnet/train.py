@@ -72,8 +72,9 @@ def main() -> None:
     lr_scheduler = MultiStepLR(optimizer, milestones=[20, 40, 60, 80], gamma=1 / 3)
     train_dl = gt.data.get_dataloader(train_set, cfg.BATCH_SIZE, shuffle=True, drop_last=True)
     test_dl = gt.data.get_dataloader(test_set, cfg.BATCH_SIZE, shuffle=False)
-    engine, train_dl, test_dl, lr_scheduler = gt.initialize(
-        model, optimizer, torch.nn.CrossEntropyLoss(), train_dl, test_dl, lr_scheduler
+    # the scheduler stays out of initialize: LRSchedulerHook steps it per epoch, as the seed did
+    engine, train_dl, test_dl, _ = gt.initialize(
+        model, optimizer, torch.nn.CrossEntropyLoss(), train_dl, test_dl
     )
 
     hooks = [

@@ -1,0 +1,229 @@
+"""ResNet-18 training throughput: the gridtrain engine against a plain PyTorch loop.
+
+    python benchmarks/resnet_throughput.py                      # one process
+    gridtrain run --nproc_per_node 4 --config configs/data_parallel.py \\
+        benchmarks/resnet_throughput.py                         # data parallel vs torch DDP
+
+For each precision (fp32, torch fp16, naive fp16, bf16) the same model (same
+initial weights, same Adam, same fixed batch already on the device) is trained
+through ``engine.execute_schedule`` + ``engine.step`` and through the textbook
+PyTorch loop of that precision:
+
+* fp32: forward, loss, backward, step;
+* torch_fp16: ``torch.autocast(float16)`` + ``torch.amp.GradScaler``;
+* naive_fp16: fp16 model, fp32 master weights, static-or-dynamic loss scale
+  with torch's fused unscale/inf check (what GradScaler uses inside);
+* bf16: ``torch.autocast(bfloat16)``;
+* with several processes the plain model is wrapped in torch DDP.
+
+Fairness: warm-up steps first (cuDNN autotuning, allocator), then ``--repeats``
+rounds that each time ``--steps`` steps of both sides, alternating which goes
+first, with the device synchronised around every timed block; the table shows
+the median images/s (global: all data-parallel ranks) and engine / plain. The
+first-step losses of both sides are printed as a check that they do the same
+work. Runs on CUDA when present (the target: ratio >= 0.97), else on the CPU
+with small defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import gridtrain as gt
+
+PRECISIONS = {
+    "fp32": None,
+    "torch_fp16": dict(mode="torch"),
+    "naive_fp16": dict(mode="naive"),
+    "bf16": dict(mode="bf16"),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma-separated subset")
+    p.add_argument("--batch", type=int, default=128 if cuda else 8, help="per process")
+    p.add_argument("--steps", type=int, default=50 if cuda else 3, help="timed steps per round")
+    p.add_argument("--repeats", type=int, default=7 if cuda else 3, help="timed rounds")
+    p.add_argument("--warmup", type=int, default=20 if cuda else 1, help="untimed steps")
+    p.add_argument("--stem", choices=("cifar", "imagenet"), default="cifar" if cuda else "imagenet")
+    p.add_argument("--image_size", type=int, default=32)
+    args = p.parse_args()
+    unknown = set(args.precisions.split(",")) - set(PRECISIONS)
+    if unknown:
+        p.error(f"--precisions: unknown {sorted(unknown)}; allowed: {', '.join(PRECISIONS)}")
+    return args
+
+
+def make_model(stem: str) -> nn.Module:
+    model = torchvision.models.resnet18(num_classes=10)
+    if stem == "cifar":  # 3x3/1 stem, no max-pool: full resolution on 32 x 32 images
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- the plain PyTorch side -------------------------------------------------------------
+def plain_step_fn(model: nn.Module, precision: str, device, x, y, world: int) -> Callable:
+    """One training step of the textbook loop for ``precision``; returns the loss."""
+    if precision == "naive_fp16":
+        model.half()
+    if world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    if precision == "naive_fp16":
+        masters = [p.detach().clone().float() for p in params]
+        opt = torch.optim.Adam(masters, lr=1e-3)
+        scale = torch.tensor(2.0**16, device=device)
+        found_inf = torch.zeros(1, device=device)
+        xh = x.half()
+
+        def step() -> torch.Tensor:
+            for p in params:
+                p.grad = None
+            loss = F.cross_entropy(model(xh).float(), y)
+            (loss * scale).backward()
+            grads = [p.grad.float() for p in params]
+            found_inf.zero_()
+            # DDP averaged the gradients already: every rank finds the same overflow
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, 1.0 / scale)
+            if not found_inf.item():
+                for m, g in zip(masters, grads):
+                    m.grad = g
+                opt.step()
+                torch._foreach_copy_(params, masters)
+            return loss.detach()
+
+        return step
+
+    opt = torch.optim.Adam(params, lr=1e-3)
+    dtype = {"torch_fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type) if precision == "torch_fp16" else None
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return loss.detach()
+
+    return step
+
+
+# ---- the engine side --------------------------------------------------------------------
+def engine_step_fn(model: nn.Module, precision: str, ctx, x, y) -> Callable:
+    # the engine reads the fp16 section when it is built; set it for this precision
+    ctx.config.fp16 = PRECISIONS[precision]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine, *_ = gt.initialize(model, opt, nn.CrossEntropyLoss())
+    engine.train()
+    batches = itertools.repeat((x, y))
+
+    def step() -> torch.Tensor:
+        engine.zero_grad()
+        _, _, loss = engine.execute_schedule(batches, return_output_label=False)
+        engine.step()
+        return loss
+
+    return step
+
+
+def timed(step: Callable, steps: int, device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def launch() -> gt.ParallelContext:
+    """Pure data parallelism over every process (the benchmark ignores other config keys)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return gt.launch_from_torch(config={})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return gt.launch({}, rank=0, world_size=1, host="127.0.0.1", port=port)
+
+
+def main() -> None:
+    args = parse_args()
+    ctx = launch()
+    device, world = ctx.device, ctx.world_size()
+    torch.backends.cudnn.benchmark = True  # both sides, same process
+    g = torch.Generator().manual_seed(ctx.global_rank)
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g).to(device)
+    y = torch.randint(10, (args.batch,), generator=g).to(device)
+    torch.manual_seed(0)
+    reference = make_model(args.stem)
+
+    rows = []
+    for precision in args.precisions.split(","):
+        engine_step = engine_step_fn(copy.deepcopy(reference), precision, ctx, x, y)
+        plain_model = copy.deepcopy(reference).to(device)
+        plain_step = plain_step_fn(plain_model, precision, device, x, y, world)
+        first = (float(engine_step()), float(plain_step()))
+        for _ in range(args.warmup - 1):
+            engine_step()
+            plain_step()
+        rates = {"engine": [], "plain": []}
+        for r in range(args.repeats):
+            order = [("engine", engine_step), ("plain", plain_step)]
+            for name, step in order if r % 2 == 0 else order[::-1]:
+                seconds = timed(step, args.steps, device)
+                rates[name].append(args.batch * world * args.steps / seconds)
+        e, p = statistics.median(rates["engine"]), statistics.median(rates["plain"])
+        spread = max(max(v) / min(v) - 1 for v in rates.values())
+        rows.append((precision, e, p, e / p, spread, *first))
+        del engine_step, plain_step, plain_model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if ctx.global_rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        print(
+            f"ResNet-18 ({args.stem} stem, {args.image_size}px), batch {args.batch} x {world} "
+            f"process(es) on {name}; {args.warmup} warm-up, median of {args.repeats} x "
+            f"{args.steps} steps"
+        )
+        print(
+            f"{'precision':<11} {'engine img/s':>13} {'plain img/s':>12} {'ratio':>7} "
+            f"{'spread':>7} {'1st loss engine/plain':>22}"
+        )
+        for precision, e, p, ratio, spread, le, lp in rows:
+            print(
+                f"{precision:<11} {e:>13.1f} {p:>12.1f} {ratio:>7.3f} {spread:>6.1%} "
+                f"{le:>11.4f}/{lp:.4f}"
+            )
+    gt.destroy()
+
+
+if __name__ == "__main__":
+    main()
