@@ -363,7 +363,9 @@ class VocabParallelClassifier(nn.Module):
         if self.bias is not None:
             logits = logits + gather_col(self.bias, 0, g)
         logits = logits.reshape(*lead, logits.shape[-1])
-        setattr(logits, VOCAB_PARALLEL_TAG, True)
+        for t in (logits, logits._base):  # views of the output share its _base: tag that too
+            if t is not None:
+                setattr(t, VOCAB_PARALLEL_TAG, True)
         return logits
 
     def extra_repr(self) -> str:

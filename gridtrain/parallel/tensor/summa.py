@@ -125,8 +125,12 @@ def gather_col(param: Tensor, dim: int, grid: SummaGrid) -> Tensor:
 
 # ---- the three block products (non-differentiable; autograd wrappers below) ---------------
 def _panel(x: Tensor, mine: bool, src: int, group) -> Tensor:
-    """Broadcast ``x`` from global rank ``src``; other ranks pass a buffer of its shape."""
-    return comm.broadcast_(x if mine else torch.empty_like(x), src, group)
+    """Broadcast ``x`` from global rank ``src``; other ranks pass a buffer of its shape.
+
+    The source sends ``x.data``: the broadcast writes its buffer in place, which must
+    not bump the version of a weight that autograd saved elsewhere (values are unchanged).
+    """
+    return comm.broadcast_(x.data if mine else torch.empty_like(x), src, group)
 
 
 def _ab(a: Tensor, b: Tensor, g: SummaGrid) -> Tensor:
@@ -135,7 +139,7 @@ def _ab(a: Tensor, b: Tensor, g: SummaGrid) -> Tensor:
     for k in range(g.q):
         a_k = _panel(a, k == g.j, g.row_ranks[k], g.row_group)
         b_k = _panel(b, k == g.i, g.col_ranks[k], g.col_group)
-        out = a_k @ b_k if out is None else out.addmm_(a_k, b_k)
+        out = a_k @ b_k if out is None else out.add_(a_k @ b_k)
     return out
 
 
@@ -161,14 +165,21 @@ def _atb(a: Tensor, b: Tensor, g: SummaGrid) -> Tensor:
     return out
 
 
+# backward re-enters forward's autocast state, so the panels it multiplies agree in dtype
+_amp_fwd = torch.amp.custom_fwd(device_type="cuda")
+_amp_bwd = torch.amp.custom_bwd(device_type="cuda")
+
+
 class _MatmulAB(torch.autograd.Function):
     @staticmethod
+    @_amp_fwd
     def forward(fctx, a, b, grid):
         fctx.save_for_backward(a, b)
         fctx.grid = grid
         return _ab(a, b, grid)
 
     @staticmethod
+    @_amp_bwd
     def backward(fctx, dc):
         a, b = fctx.saved_tensors
         da = _abt(dc, b, fctx.grid) if fctx.needs_input_grad[0] else None  # dC B^T
@@ -178,12 +189,14 @@ class _MatmulAB(torch.autograd.Function):
 
 class _MatmulABT(torch.autograd.Function):
     @staticmethod
+    @_amp_fwd
     def forward(fctx, a, b, grid):
         fctx.save_for_backward(a, b)
         fctx.grid = grid
         return _abt(a, b, grid)
 
     @staticmethod
+    @_amp_bwd
     def backward(fctx, dc):
         a, b = fctx.saved_tensors
         da = _ab(dc, b, fctx.grid) if fctx.needs_input_grad[0] else None  # dC B
@@ -193,12 +206,14 @@ class _MatmulABT(torch.autograd.Function):
 
 class _MatmulATB(torch.autograd.Function):
     @staticmethod
+    @_amp_fwd
     def forward(fctx, a, b, grid):
         fctx.save_for_backward(a, b)
         fctx.grid = grid
         return _atb(a, b, grid)
 
     @staticmethod
+    @_amp_bwd
     def backward(fctx, dc):
         a, b = fctx.saved_tensors
         da = _abt(b, dc, fctx.grid) if fctx.needs_input_grad[0] else None  # B dC^T
