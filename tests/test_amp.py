@@ -64,9 +64,9 @@ def test_overflow_on_one_rank_skips_the_step_on_all(mode):
     ref, _, _ = dense_train(dense_state(), kept, sgd)
     for key in ref:
         # fp16 activations/gradients (11-bit mantissa, ~5e-4 relative per op) over 5 SGD steps
-        # with momentum; weights are O(0.3): 1e-2 absolute is far below one step's change
+        # on O(0.3) weights: measured 1.4e-4 (naive) / 6e-5 (torch); 1e-3 is ~1/50 of one step
         err = (results[0][4][key].float() - ref[key]).abs().max().item()
-        assert err < 1e-2, (key, err)
+        assert err < 1e-3, (key, err)
 
 
 def _train_autocast(ctx):
@@ -85,9 +85,9 @@ def _train_autocast(ctx):
 
 @pytest.mark.parametrize(
     "mode,dtype,tol",
-    # bf16 keeps 8 mantissa bits (~4e-3 relative per op), fp16 11 bits; over 5 momentum-SGD
-    # steps on O(0.3) weights the drift stays well below these bounds (one step moves ~0.05)
-    [(AMP_TYPE.BF16, torch.bfloat16, 3e-2), (AMP_TYPE.TORCH, torch.float16, 1e-2)],
+    # bf16 keeps 8 mantissa bits (~4e-3 relative per op), fp16 11 bits; after 5 momentum-SGD
+    # steps on O(0.3) weights we measured 1.4e-3 (bf16) and 8e-5 (fp16); one step moves ~0.05
+    [(AMP_TYPE.BF16, torch.bfloat16, 1e-2), (AMP_TYPE.TORCH, torch.float16, 1e-3)],
 )
 def test_autocast_modes_run_in_low_precision_and_stay_close_to_fp32(mode, dtype, tol):
     results = run_distributed(_train_autocast, 2, config=dict(fp16=dict(mode=mode)), timeout=300)
