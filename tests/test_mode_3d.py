@@ -27,7 +27,7 @@ from gridtrain.parallel.sharding import (
     load_full_state_dict,
     shard_tensor,
 )
-from gridtrain.parallel.tensor import dense
+from gridtrain.parallel.tensor import dense, layers
 from gridtrain.parallel.tensor import mode_3d as m3
 
 PM = gt.ParallelMode
@@ -69,7 +69,9 @@ def _parity(ctx, make_dense, make_3d, x, in_spec, out_spec, orientation=0, seed=
         for i, p in enumerate(ref.parameters()):
             p.add_(_rand(*p.shape, seed=100 + i))
     load_full_state_dict(par, ref.state_dict(), ctx)
-    sizes = {n: (p.numel(), dict(ref.named_parameters())[n].numel()) for n, p in par.named_parameters()}
+    sizes = {
+        n: (p.numel(), dict(ref.named_parameters())[n].numel()) for n, p in par.named_parameters()
+    }
 
     grad_x = x.is_floating_point()
     xd = x.clone().requires_grad_(grad_x)
@@ -99,47 +101,74 @@ def _layer_cases(ctx):
         cases[f"linear_o{o}"] = (
             lambda: nn.Linear(HID, 2 * HID, dtype=DT),
             lambda: m3.Linear(HID, 2 * HID, dtype=DT, ctx=ctx),
-            x3, _act(o, 3), _act(1 - o, 3), o,
+            x3,
+            _act(o, 3),
+            _act(1 - o, 3),
+            o,
         )
         cases[f"layernorm_o{o}"] = (
             lambda: nn.LayerNorm(HID, dtype=DT),
             lambda: m3.LayerNorm(HID, dtype=DT, ctx=ctx),
-            x3, _act(o, 3), _act(o, 3), o,
+            x3,
+            _act(o, 3),
+            _act(o, 3),
+            o,
         )
         cases[f"embedding_o{o}"] = (
             lambda: nn.Embedding(16, HID, padding_idx=1, dtype=DT),
             lambda: m3.Embedding(16, HID, padding_idx=1, dtype=DT, ctx=ctx),
-            ids, ROWS, _act(o, 3), o,
+            ids,
+            ROWS,
+            _act(o, 3),
+            o,
         )
         cases[f"classifier_o{o}"] = (
             lambda: dense.Classifier(HID, 8, dtype=DT),
             lambda: m3.Classifier(HID, 8, dtype=DT, ctx=ctx),
-            x2, _act(o, 2), ROWS, o,
+            x2,
+            _act(o, 2),
+            ROWS,
+            o,
         )
     cases["linear_full_width_input"] = (
         lambda: nn.Linear(HID, 2 * HID, dtype=DT),
         lambda: m3.Linear(HID, 2 * HID, dtype=DT, ctx=ctx),
-        x2, ROWS, _act(1, 2), 0,
+        x2,
+        ROWS,
+        _act(1, 2),
+        0,
     )
     cases["vocab_embedding"] = (
         lambda: nn.Embedding(16, HID, padding_idx=1, dtype=DT),
         lambda: m3.VocabParallelEmbedding(16, HID, padding_idx=1, dtype=DT, ctx=ctx),
-        ids, ROWS, _act(0, 3), 0,
+        ids,
+        ROWS,
+        _act(0, 3),
+        0,
     )
     cases["vocab_classifier"] = (
         lambda: dense.Classifier(HID, 16, dtype=DT),
         lambda: m3.VocabParallelClassifier(HID, 16, dtype=DT, ctx=ctx),
-        x3, _act(0, 3), _act(1, 3), 0,
+        x3,
+        _act(0, 3),
+        _act(1, 3),
+        0,
     )
     cases["classifier_replicated_bias"] = (
         lambda: dense.Classifier(HID, 6, dtype=DT),
         lambda: m3.Classifier(HID, 6, dtype=DT, ctx=ctx),
-        x2, _act(0, 2), ROWS, 0,
+        x2,
+        _act(0, 2),
+        ROWS,
+        0,
     )
     cases["patch_embedding"] = (
         lambda: dense.PatchEmbedding(4, 2, 3, HID, dtype=DT),
         lambda: m3.PatchEmbedding(4, 2, 3, HID, dtype=DT, ctx=ctx),
-        img, ROWS, _act(0, 3), 0,
+        img,
+        ROWS,
+        _act(0, 3),
+        0,
     )
     return cases
 
@@ -209,18 +238,20 @@ def test_every_layer_matches_its_dense_twin():
 
 
 class TinyNet(nn.Module):
-    """LayerNorm + 2-Linear MLP + classifier, written once with gt.nn (any tensor mode)."""
+    """2-Linear MLP + LayerNorm + classifier, written once with gt.nn (any tensor mode).
+
+    The first Linear takes split_batch's full-width features, as every mode allows.
+    """
 
     def __init__(self, dtype=DT):
         super().__init__()
-        self.norm = gnn.LayerNorm(16, dtype=dtype)
         self.fc1 = gnn.Linear(16, 32, dtype=dtype)
         self.fc2 = gnn.Linear(32, 16, dtype=dtype)
+        self.norm = gnn.LayerNorm(16, dtype=dtype)
         self.head = gnn.Classifier(16, 8, dtype=dtype)
 
     def forward(self, x):
-        h = self.norm(x)
-        return self.head(h + self.fc2(F.gelu(self.fc1(h))))
+        return self.head(self.norm(self.fc2(F.gelu(self.fc1(x)))))
 
 
 def _data():
@@ -238,7 +269,7 @@ def _train(ctx, steps, state):
         model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     x, y = _data()
-    split = (lambda t: gnn.split_batch(t, ctx)) if ctx else (lambda t: t)
+    split = (lambda t: layers.split_batch(t, ctx)) if ctx else (lambda t: t)
     crit = gnn.CrossEntropyLoss() if ctx else nn.CrossEntropyLoss()
     losses = []
     for _ in range(steps):
@@ -270,7 +301,7 @@ def _round_trip(ctx, state):
     model = TinyNet()
     load_full_state_dict(model, state, ctx)
     x, y = _data()
-    loss = gnn.CrossEntropyLoss()(model(gnn.split_batch(x, ctx)), gnn.split_batch(y, ctx))
+    loss = gnn.CrossEntropyLoss()(model(layers.split_batch(x, ctx)), layers.split_batch(y, ctx))
     return full_state_dict(model, ctx), loss.item()
 
 

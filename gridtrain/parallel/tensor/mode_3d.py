@@ -27,17 +27,20 @@ from torch import Tensor, nn
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import get_shard_spec, set_shard_spec, shard_tensor
+from gridtrain.parallel.sharding import get_shard_spec
 from gridtrain.parallel.tensor import dense
+from gridtrain.parallel.tensor.mode_3d_loss import VOCAB_PARALLEL_TAG, CrossEntropyLoss, accuracy
 from gridtrain.parallel.tensor.mode_3d_ops import (
     AXIS_A,
     PAIR,
-    VOCAB_PARALLEL_TAG,
-    CrossEntropyLoss,
     Cube,
-    accuracy,
+    as_shard,
+    cube_now,
     divides,
+    hidden_spec,
+    linear_3d,
     reset_orientation,
+    shard_param,
     split_batch,
     swap_orientation,
     take_orientation,
@@ -59,50 +62,6 @@ __all__ = [
 ]
 
 
-def _cube(ctx: ParallelContext | None, flip: bool = False) -> Cube:
-    ctx = ctx or get_context()
-    return Cube.of(ctx, take_orientation(ctx, flip))
-
-
-def _shard(full: Tensor, spec, cube: Cube, device=None) -> nn.Parameter:
-    """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``."""
-    shard = shard_tensor(full.detach(), spec, cube.ctx)
-    return set_shard_spec(nn.Parameter(shard.to(device or cube.ctx.device)), *spec)
-
-
-def _hidden(dim: int, cube: Cube):
-    """Split ``dim`` over the hidden axis F, then over the pair A x G that shares that block."""
-    return ((dim, cube.feat), (dim, cube.pair))
-
-
-def _as_shard(layer: str, x: Tensor, width: int, cube: Cube) -> Tensor:
-    """``x`` with its hidden dim this rank's block; a full-width input (raw features after
-    ``split_batch``, orientation 0 only) is cut here."""
-    if cube.d > 1 and x.shape[-1] == width:
-        if cube.orientation != 0:
-            raise ValueError(
-                f"{layer}: full-width input (last dim {width}) at orientation 1; only the "
-                "layers before the first Linear (orientation 0) may take split_batch's output"
-            )
-        x = comm.split_to_group(x, -1, cube.group(cube.feat))
-    if x.shape[-1] != width // cube.d:
-        raise ValueError(
-            f"{layer}: input's last dim is {x.shape[-1]}, expected {width} or this rank's "
-            f"hidden block of {width // cube.d}"
-        )
-    return x
-
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, cube: Cube) -> Tensor:
-    """The paper's ``Y = X W`` on rows (a, g) x hidden f -> rows (a, f) x hidden g."""
-    x = comm.all_gather(x, 0, cube.group(cube.row))  # the whole batch block a
-    w = comm.all_gather(weight, 0, cube.group(AXIS_A))  # W[out block g, in block f]
-    y = comm.reduce_scatter(F.linear(x, w), 0, cube.group(cube.feat))  # sum over in blocks
-    if bias is not None:
-        y = y + comm.all_gather(bias, 0, cube.group(PAIR[cube.feat]))
-    return y
-
-
 class Linear(nn.Module):
     """``y = x W^T + b`` on the cube; flips the orientation for the layers built after it."""
 
@@ -117,7 +76,7 @@ class Linear(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        cube = self.cube = _cube(ctx)
+        cube = self.cube = cube_now(ctx)
         d = cube.d
         divides("Linear", "in_features", in_features, d, "split over the hidden axis")
         divides("Linear", "out_features", out_features, d**2, "split over G, then over A")
@@ -126,16 +85,16 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         twin = nn.Linear(in_features, out_features, bias, dtype=dtype)
         spec = ((0, cube.row), (0, AXIS_A), (1, cube.feat))
-        self.weight = _shard(twin.weight, spec, cube, device)
+        self.weight = shard_param(twin.weight, spec, cube, device)
         if bias:
-            self.bias = _shard(twin.bias, ((0, cube.row), (0, PAIR[cube.feat])), cube, device)
+            self.bias = shard_param(twin.bias, ((0, cube.row), (0, PAIR[cube.feat])), cube, device)
         else:
             self.register_parameter("bias", None)
         take_orientation(cube.ctx, flip=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = _as_shard("Linear", x, self.in_features, self.cube)
-        return _linear(x, self.weight, self.bias, self.cube)
+        x = as_shard("Linear", x, self.in_features, self.cube)
+        return linear_3d(x, self.weight, self.bias, self.cube)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.cube}"
@@ -161,18 +120,18 @@ class LayerNorm(nn.Module):
         )
         if len(shape) != 1:
             raise ValueError(f"LayerNorm: normalized_shape must be one dim, got {normalized_shape}")
-        cube = self.cube = _cube(ctx)
+        cube = self.cube = cube_now(ctx)
         self.hidden, self.eps = shape[0], eps
         by = cube.d**3 if elementwise_affine else cube.d
         divides("LayerNorm", "normalized_shape", self.hidden, by, "hidden blocks x parameter split")
         twin = nn.LayerNorm(self.hidden, eps, elementwise_affine, bias, dtype=dtype)
-        spec = _hidden(0, cube)
-        self.weight = _shard(twin.weight, spec, cube, device) if elementwise_affine else None
-        self.bias = _shard(twin.bias, spec, cube, device) if twin.bias is not None else None
+        spec = hidden_spec(0, cube)
+        self.weight = shard_param(twin.weight, spec, cube, device) if elementwise_affine else None
+        self.bias = shard_param(twin.bias, spec, cube, device) if twin.bias is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
         cube = self.cube
-        x = _as_shard("LayerNorm", x, self.hidden, cube)
+        x = as_shard("LayerNorm", x, self.hidden, cube)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         group = cube.group(cube.feat)
         # each rank normalises its own block with the shared statistics: sum gradients back
@@ -194,7 +153,7 @@ class _Orientation0(nn.Module):
     """Layers at the model's edges compute in orientation 0 and convert when built at 1."""
 
     def _setup(self, ctx: ParallelContext | None) -> Cube:
-        built = _cube(ctx)
+        built = cube_now(ctx)
         self.flip = built.orientation == 1
         self.cube = Cube.of(built.ctx, 0)
         return self.cube
@@ -210,7 +169,7 @@ class _Orientation0(nn.Module):
                     f"block of {width // self.cube.d}"
                 )
             x = swap_orientation(x, self.cube.flipped())
-        return _as_shard(name, x, width, self.cube)
+        return as_shard(name, x, width, self.cube)
 
 
 class Embedding(_Orientation0):
@@ -232,7 +191,7 @@ class Embedding(_Orientation0):
         twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
-        self.weight = _shard(twin.weight, _hidden(1, cube), cube, device)
+        self.weight = shard_param(twin.weight, hidden_spec(1, cube), cube, device)
 
     def forward(self, ids: Tensor) -> Tensor:
         w = comm.all_gather(self.weight, 1, self.cube.group(self.cube.pair))
@@ -268,7 +227,7 @@ class VocabParallelEmbedding(_Orientation0):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
         spec = ((0, cube.row), (0, AXIS_A), (1, cube.feat))
-        self.weight = _shard(twin.weight, spec, cube, device)
+        self.weight = shard_param(twin.weight, spec, cube, device)
 
     def forward(self, ids: Tensor) -> Tensor:
         cube, n = self.cube, self.num_embeddings // self.cube.d
@@ -318,10 +277,10 @@ class Classifier(_Orientation0):
         d = cube.d
         divides("Classifier", "in_features", in_features, d**3, "split d^3 ways")
         self.in_features, self.num_classes = in_features, num_classes
-        spec = _hidden(1, cube)
+        spec = hidden_spec(1, cube)
         if weight is None:
             twin = dense.Classifier(in_features, num_classes, bias=False, dtype=dtype)
-            weight = _shard(twin.weight, spec, cube)
+            weight = shard_param(twin.weight, spec, cube)
         else:
             shape = (num_classes, in_features // d**3)
             _tied("Classifier", weight, spec, shape, (num_classes, in_features))
@@ -330,7 +289,9 @@ class Classifier(_Orientation0):
         if not bias:
             self.register_parameter("bias", None)
         elif self.split_bias:
-            self.bias = _shard(torch.zeros(num_classes, dtype=dtype), _hidden(0, cube), cube)
+            self.bias = shard_param(
+                torch.zeros(num_classes, dtype=dtype), hidden_spec(0, cube), cube
+            )
         else:
             self.bias = nn.Parameter(torch.zeros(num_classes, dtype=dtype, device=cube.ctx.device))
 
@@ -380,20 +341,20 @@ class VocabParallelClassifier(_Orientation0):
         spec = ((0, cube.row), (0, AXIS_A), (1, cube.feat))
         if weight is None:
             twin = dense.Classifier(in_features, num_classes, bias=False, dtype=dtype)
-            weight = _shard(twin.weight, spec, cube)
+            weight = shard_param(twin.weight, spec, cube)
         else:
             shape = (num_classes // d**2, in_features // d)
             _tied(name, weight, spec, shape, (num_classes, in_features))
         self.weight = weight
         if bias:
             spec = ((0, cube.row), (0, PAIR[cube.feat]))
-            self.bias = _shard(torch.zeros(num_classes, dtype=dtype), spec, cube)
+            self.bias = shard_param(torch.zeros(num_classes, dtype=dtype), spec, cube)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self._from_built("VocabParallelClassifier", x, self.in_features)
-        logits = _linear(x, self.weight, self.bias, self.cube)
+        logits = linear_3d(x, self.weight, self.bias, self.cube)
         setattr(logits, VOCAB_PARALLEL_TAG, True)
         return logits
 
@@ -423,10 +384,10 @@ class PatchEmbedding(_Orientation0):
         divides("PatchEmbedding", "embed_size", embed_size, cube.d**3, "split d^3 ways")
         twin = dense.PatchEmbedding(img_size, patch_size, in_chans, embed_size, dtype=dtype)
         self.patch_size = patch_size
-        self.weight = _shard(twin.weight, _hidden(0, cube), cube)
-        self.bias = _shard(twin.bias, _hidden(0, cube), cube)
-        self.cls_token = _shard(twin.cls_token, _hidden(2, cube), cube)
-        self.pos_embed = _shard(twin.pos_embed, _hidden(2, cube), cube)
+        self.weight = shard_param(twin.weight, hidden_spec(0, cube), cube)
+        self.bias = shard_param(twin.bias, hidden_spec(0, cube), cube)
+        self.cls_token = shard_param(twin.cls_token, hidden_spec(2, cube), cube)
+        self.pos_embed = shard_param(twin.pos_embed, hidden_spec(2, cube), cube)
 
     def forward(self, x: Tensor) -> Tensor:
         # the B ranks use the same images for different embedding blocks: sum their gradients
