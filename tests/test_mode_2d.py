@@ -2,7 +2,10 @@
 
 import pytest
 import summa_parity as sp
+import torch
 from harness import run_distributed
+
+import gridtrain.nn as gnn
 
 CFG = str(sp.CONFIGS / "tp_2d.py")
 # float32 parity (errors relative to max(1, |reference|)): the SUMMA sums the same products
@@ -36,6 +39,24 @@ def test_shards_are_one_over_T_and_bad_arguments_fail_early():
 
 def _fractions_and_errors(ctx):
     return sp.shard_fractions(ctx), sp.bad_inputs(ctx)
+
+
+def _dropout_masks(ctx):
+    drop = gnn.Dropout(0.5)
+    x = torch.ones(64)
+    masks = [drop(x), drop(x)]
+    drop.eval()
+    return masks, torch.equal(drop(x), x)
+
+
+def test_dropout_draws_a_distinct_mask_per_block():
+    results = run_distributed(_dropout_masks, 4, config=CFG, timeout=300)
+    firsts = [masks[0] for masks, _ in results]
+    # each rank holds a different activation block: no two ranks may share a mask
+    assert all(not torch.equal(a, b) for i, a in enumerate(firsts) for b in firsts[i + 1 :])
+    assert all(not torch.equal(m[0], m[1]) for m, _ in results)  # the stream advances
+    assert all(m[0].max() == 2.0 for m, _ in results)  # kept values scaled by 1 / (1 - p)
+    assert all(identity for _, identity in results)  # eval: no dropout
 
 
 @pytest.mark.parametrize("vocab_parallel", [False, True], ids=["gathered", "vocab-parallel"])
