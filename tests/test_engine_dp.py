@@ -8,8 +8,9 @@ from harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.engine.data_parallel import OverlappedDataParallel
-from gridtrain.gradient_handlers import SequenceParallelGradientHandler
+from gridtrain.gradient_handlers import SequenceParallelGradientHandler, handler_class
 from gridtrain.parallel import comm
+from gridtrain.parallel.sharding import set_dp_mode
 
 PM = gt.ParallelMode
 STEPS, GLOBAL_BATCH = 3, 8
@@ -146,3 +147,66 @@ def test_accumulation_syncs_only_in_last_backward():
     )
     for sent in results:
         assert sent[:3] == [0, 0, 0] and sent[3] > 0, sent
+
+
+def _expert_grads(ctx):
+    # world 4 = data 4, expert_parallel_size 2: EXPERT_DATA groups are {0, 2} and {1, 3}
+    torch.manual_seed(0)
+    model = MLP()
+    set_dp_mode(model.fc2.weight, PM.EXPERT_DATA)  # stands in for an expert
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(ctx.global_rank))
+    OverlappedDataParallel(model, ctx).finish()
+    return model.fc2.weight.grad.unique().tolist(), model.fc1.weight.grad.unique().tolist()
+
+
+def test_expert_parameters_average_over_expert_data():
+    results = run_distributed(
+        _expert_grads, 4, config=dict(moe=dict(expert_parallel_size=2)), timeout=300
+    )
+    for rank, (expert, dense) in enumerate(results):
+        assert expert == [(rank % 2 + rank % 2 + 2) / 2], "mean over {r, r+2}"  # exact halves
+        assert dense == [1.5], "mean of ranks 0..3 over DATA"
+
+
+def _bad_inputs(ctx, tmp):
+    model = MLP()
+    messages = []
+    for call in (
+        lambda: gt.initialize(model, "sgd"),
+        lambda: gt.initialize("model", sgd(model.parameters())),
+    ):
+        with pytest.raises(TypeError) as err:
+            call()
+        messages.append(str(err.value))
+    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)))
+    checks = [
+        (TypeError, lambda: engine.execute_schedule(loader)),
+        (TypeError, lambda: engine.execute_schedule(iter([(1, 2, 3)]))),
+        (ValueError, lambda: engine.execute_schedule(iter([]), return_loss=False)),
+        (FileNotFoundError, lambda: gt.load_checkpoint(f"{tmp}/none.pt", model)),
+        (TypeError, lambda: gt.save_checkpoint(None, 0, model)),
+        (ValueError, lambda: handler_class("NoSuchHandler")),
+    ]
+    for kind, call in checks:
+        with pytest.raises(kind) as err:
+            call()
+        messages.append(str(err.value))
+    return messages
+
+
+def test_bad_inputs_fail_early_with_names(tmp_path):
+    (messages,) = run_distributed(_bad_inputs, 1, str(tmp_path), timeout=300)
+    expected = [
+        "optimizer must be a torch.optim.Optimizer, got str",
+        "model must be a torch.nn.Module, got str",
+        "needs an iterator such as iter(train_dataloader), got DataLoader",
+        "a batch must be a (data, label) pair, a tensor or a dict, got tuple of length 3",
+        "return_loss must be True when forward_only is False",
+        "no checkpoint at",
+        "path must be a str or os.PathLike, got None",
+        "unknown gradient handler 'NoSuchHandler'",
+    ]
+    for message, want in zip(messages, expected, strict=True):
+        assert want in message, (want, message)

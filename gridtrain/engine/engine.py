@@ -225,6 +225,10 @@ class Engine:
                 f"execute_schedule needs an iterator such as iter(train_dataloader), got "
                 f"{type(data_iter).__name__}"
             )
+        if not forward_only and not return_loss:
+            raise ValueError(
+                "execute_schedule: return_loss must be True when forward_only is False"
+            )
         if not forward_only:
             self.accumulation.begin_micro_step()
         self._in_schedule = True
@@ -232,6 +236,10 @@ class Engine:
             return self.schedule.forward_backward_step(
                 self, data_iter, forward_only, return_loss, return_output_label
             )
+        except BaseException:
+            if not forward_only:  # a failed batch is no micro-step
+                self.accumulation.micro_step -= 1
+            raise
         finally:
             self._in_schedule = False
 
