@@ -11,6 +11,8 @@ from gridtrain.parallel.tensor.layers import (
     VocabParallelClassifier,
     VocabParallelEmbedding,
     accuracy,
+    attention,
+    position_ids,
     shared_input,
 )
 
@@ -25,5 +27,7 @@ __all__ = [
     "VocabParallelClassifier",
     "VocabParallelEmbedding",
     "accuracy",
+    "attention",
+    "position_ids",
     "shared_input",
 ]

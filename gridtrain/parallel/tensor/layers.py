@@ -105,3 +105,26 @@ def shared_input(ctx: ParallelContext | None = None) -> contextlib.AbstractConte
     the mode needs no such hint."""
     fn = getattr(mode_module(ctx), "shared_input", None)
     return fn(ctx) if fn is not None else contextlib.nullcontext()
+
+
+
+def position_ids(seq_len: int, device=None, ctx: ParallelContext | None = None):
+    """Global positions of this rank's ``seq_len`` tokens, for position embeddings:
+    ``arange(seq_len)``, offset by the rank's shard where the mode splits the sequence."""
+    fn = getattr(mode_module(ctx), "position_ids", None)
+    if fn is not None:
+        return fn(seq_len, device, ctx)
+    import torch
+
+    return torch.arange(seq_len, device=device)
+
+
+def attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None, ctx=None):
+    """Softmax attention of ``[B, H, s, D]`` q, k, v; ``key_padding_mask`` ``[B, s]``, True = pad.
+
+    Ring self-attention under 'sequence' (``parallel.tensor.ring_attention`` picks the
+    variant); ``scaled_dot_product_attention`` on the local heads in every other mode.
+    """
+    from gridtrain.parallel.tensor.sequence import ring_attention
+
+    return ring_attention(q, k, v, causal, key_padding_mask, dropout_p, scale, ctx=ctx)
