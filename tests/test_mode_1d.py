@@ -15,8 +15,10 @@ from harness import run_distributed
 from torch import nn
 
 import gridtrain as gt
+import gridtrain.nn as gnn
 from gridtrain.parallel.sharding import (
     full_state_dict,
+    full_tensor,
     get_shard_spec,
     load_full_state_dict,
     shard_tensor,
@@ -203,3 +205,199 @@ def test_vocab_parallel_cross_entropy_equals_dense(tp):
             # a few ulps (losses compared relative to max(1, |loss|), the sum reduction is
             # O(30)); bf16 logits are upcast exactly inside, so the same bound holds
             assert err < 2e-6, f"TP{tp} rank {rank} {what}: {err}"
+
+
+# ---- dropout draws from the right RNG state ----------------------------------------------
+P_DROP, DROP_SHAPE = 0.3, (128, 128)
+
+
+def _dropout_masks(ctx):
+    x = torch.ones(DROP_SHAPE)
+    replicated = m1d.Dropout1D(P_DROP, sharded=False, ctx=ctx)
+    sharded = m1d.Dropout1D(P_DROP, sharded=True, ctx=ctx)
+    before = torch.get_rng_state()
+    y_sharded = sharded(x)
+    after_sharded = torch.rand(8)
+    torch.set_rng_state(before)
+    default_untouched = torch.equal(after_sharded, torch.rand(8))
+    torch.set_rng_state(before)
+    y_replicated = replicated(x)
+    sharded.eval()
+    eval_identity = torch.equal(sharded(x), x)
+    # gt.nn.Dropout decides by where it is built: between a column and its row layer = sharded
+    m1d.reset_alternation(ctx)
+    gnn.Linear(8, 16)
+    mid = gnn.Dropout(P_DROP)
+    gnn.Linear(16, 8)
+    post = gnn.Dropout(P_DROP)
+    with gnn.shared_input():
+        for _ in range(3):  # q, k, v
+            gnn.Linear(8, 8)
+        attn = gnn.Dropout(P_DROP)
+    gnn.Linear(8, 8)
+    resid = gnn.Dropout(P_DROP)
+    flags = (mid.sharded, post.sharded, attn.sharded, resid.sharded)
+    return y_sharded, y_replicated, default_untouched, eval_identity, flags
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dropout_masks_follow_activation_layout(tp):
+    results = run_distributed(_dropout_masks, tp, config=_cfg(tp), timeout=300)
+    n = DROP_SHAPE[0] * DROP_SHAPE[1]
+    sigma = ((1 - P_DROP) * P_DROP / n) ** 0.5
+    for y_sh, y_rep, untouched, eval_identity, flags in results:
+        assert untouched, "the sharded state is forked: the default generator does not advance"
+        assert eval_identity
+        assert flags == (True, False, True, False), flags
+        assert torch.equal(y_rep, results[0][1]), "replicated activations: one mask everywhere"
+        for y in (y_sh, y_rep):
+            kept = y != 0
+            # Bernoulli(0.7) over 16384 draws: 5 sigma (~0.018) never trips on a correct mask
+            assert abs(kept.float().mean().item() - (1 - P_DROP)) < 5 * sigma
+            # survivors are rescaled by 1/(1-p) (float32 rounding of that factor)
+            torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - P_DROP)))
+    for i in range(tp):
+        for j in range(i + 1, tp):
+            agree = ((results[i][0] != 0) == (results[j][0] != 0)).float().mean().item()
+            # independent masks agree on p^2 + (1-p)^2 = 0.58 of the elements, equal ones on all
+            assert abs(agree - 0.58) < 10 * sigma, f"sharded masks of ranks {i},{j} agree {agree}"
+
+
+# ---- a transformer block trained with AdamW -------------------------------------------------
+STEPS, LR = 3, 1e-2
+
+
+class TinyTransformer(nn.Module):
+    """Tied embedding/classifier around one pre-norm block: attention with separate q, k, v
+    (built in ``gt.nn.shared_input()``) and a GELU MLP. Written once with ``gt.nn``."""
+
+    def __init__(self, vocab_parallel: bool, vocab: int = 32, hidden: int = 16, head_dim: int = 4):
+        super().__init__()
+        emb = gnn.VocabParallelEmbedding if vocab_parallel else gnn.Embedding
+        cls = gnn.VocabParallelClassifier if vocab_parallel else gnn.Classifier
+        self.head_dim = head_dim
+        self.emb = emb(vocab, hidden)
+        self.ln1 = gnn.LayerNorm(hidden)
+        with gnn.shared_input():
+            self.q = gnn.Linear(hidden, hidden)
+            self.k = gnn.Linear(hidden, hidden)
+            self.v = gnn.Linear(hidden, hidden)
+        self.o = gnn.Linear(hidden, hidden)
+        self.ln2 = gnn.LayerNorm(hidden)
+        self.fc1 = gnn.Linear(hidden, 2 * hidden)
+        self.fc2 = gnn.Linear(2 * hidden, hidden)
+        self.lnf = gnn.LayerNorm(hidden)
+        self.head = cls(hidden, vocab, weight=self.emb.weight)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        h = self.ln1(x)
+        b, s, _ = h.shape
+
+        def heads(t):  # local heads: the width tells how many this rank holds
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(
+            heads(self.q(h)), heads(self.k(h)), heads(self.v(h)), is_causal=True
+        )
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return self.head(self.lnf(x))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(21)
+    return [torch.randint(0, 32, (4, 9), generator=g) for _ in range(STEPS)]
+
+
+def _train(model, batches, grads_of):
+    """AdamW steps of next-token CE through ``gt.nn.CrossEntropyLoss`` on flattened logits
+    (so a vocab-sharded mark must survive ``flatten``); returns losses and first grads."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    loss_fn = gnn.CrossEntropyLoss()
+    losses, grads = [], None
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(b[:, :-1]).flatten(0, -2), b[:, 1:].flatten())
+        loss.backward()
+        grads = grads or grads_of(model)
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+class _DefaultDtype:
+    def __init__(self, dtype):
+        self.dtype, self.saved = dtype, torch.get_default_dtype()
+
+    def __enter__(self):
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self.saved)
+
+
+VARIANTS = [(vp, dt) for vp in (True, False) for dt in (torch.float64, torch.float32)]
+
+
+def _train_1d(ctx, states, batches):
+    out = []
+    for (vp, dtype), state in zip(VARIANTS, states, strict=True):
+        with _DefaultDtype(dtype):
+            m1d.reset_alternation(ctx)
+            torch.manual_seed(0)
+            model = TinyTransformer(vp)
+            kinds = [type(getattr(model, n)).__name__ for n in ("q", "k", "v", "o", "fc1", "fc2")]
+            init = full_state_dict(model)
+            load_full_state_dict(model, state)
+
+            def full_grads(m):
+                return {
+                    k: full_tensor(p.grad, get_shard_spec(p), ctx) for k, p in m.named_parameters()
+                }
+
+            losses, grads = _train(model, batches, full_grads)
+            out.append((kinds, init, losses, grads, full_state_dict(model)))
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_transformer_block_equals_dense_after_adamw(tp):
+    batches, dense_runs = _batches(), []
+    for vp, dtype in VARIANTS:  # no context here: gt.nn builds the dense twin
+        with _DefaultDtype(dtype):
+            torch.manual_seed(0)
+            model = TinyTransformer(vp)
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            grads_of = lambda m: {k: p.grad.clone() for k, p in m.named_parameters()}  # noqa: E731
+            losses, grads = _train(model, batches, grads_of)
+            dense_runs.append((state, losses, grads, model.state_dict()))
+    states = [r[0] for r in dense_runs]
+    results = run_distributed(_train_1d, tp, states, batches, config=_cfg(tp), timeout=300)
+    for rank, runs in enumerate(results):
+        for (vp, dtype), (kinds, init, losses, grads, final), (
+            state,
+            d_losses,
+            d_grads,
+            d_final,
+        ) in zip(VARIANTS, runs, dense_runs, strict=True):
+            tag = f"TP{tp} rank {rank} vocab_parallel={vp} {dtype}"
+            assert kinds == ["Linear1DCol"] * 3 + ["Linear1DRow", "Linear1DCol", "Linear1DRow"]
+            assert init.keys() == state.keys()
+            for k, v in state.items():
+                assert torch.equal(init[k], v), (tag, k)  # same seed: same dense draw, cut
+            if dtype == torch.float64:
+                # float64: split matmuls and all-reduces reorder sums at ~1e-16; AdamW's
+                # normalised step cannot amplify that past ~1e-12 in 3 steps
+                assert losses == pytest.approx(d_losses, rel=1e-12, abs=0), tag
+                for k, g in d_grads.items():
+                    assert _max_err(grads[k], g) < 1e-12, (tag, k)
+                for k, v in d_final.items():
+                    assert _max_err(final[k], v) < 1e-10, (tag, k)
+            else:
+                # float32: reordered sums of <= 32 terms, a few ulps of O(1) values. Weights
+                # after AdamW are checked in float64 only: on near-zero grads (~1e-9, the
+                # size of eps) Adam's g/sqrt(v) turns float32 rounding into ~lr-sized steps
+                assert losses == pytest.approx(d_losses, rel=1e-5), tag
+                for k, g in d_grads.items():
+                    assert _max_err(grads[k], g) < 1e-6, (tag, k)

@@ -44,7 +44,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, start, vocab, ignore_index, smoothing):
-        z = logits.float()  # fp16/bf16 logits: exp and sums in float32
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16: in fp32
         local_v = z.shape[-1]
         zmax = comm.all_reduce_max(z.max(dim=-1).values, group)
         z = z - zmax.unsqueeze(-1)  # a fresh tensor: reused in place below
