@@ -6,6 +6,7 @@ from gridtrain.engine import Engine, initialize, load_checkpoint, save_checkpoin
 from gridtrain.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from gridtrain.parallel.context import ParallelContext, destroy, get_context
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.pipeline.partition import lazy_init
 from gridtrain.parallel.sharding import full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "launch_from_openmpi",
     "launch_from_slurm",
     "launch_from_torch",
+    "lazy_init",
     "load_checkpoint",
     "load_full_state_dict",
     "save_checkpoint",
