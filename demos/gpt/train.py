@@ -181,6 +181,7 @@ def main(argv=None) -> dict:
         print(
             f"trained {args.steps} steps in {elapsed:.1f} s "
             f"({args.steps * tokens_per_step / elapsed:,.0f} tokens/s)\n"
+            f"train loss by step: {curve(losses)}\n"
             f"train loss: first {losses[0]:.3f}, last {losses[-1]:.3f}; "
             f"held-out loss {held_out:.3f} (uniform guess {math.log(cfg.vocab_size):.3f})"
         )
@@ -192,6 +193,15 @@ def main(argv=None) -> dict:
             plot(losses, held_out, args.plot)
     gt.destroy()
     return result
+
+
+def curve(losses: list[float], points: int = 6) -> str:
+    """``step: mean loss of the 10 steps up to it`` at evenly spaced steps."""
+    steps = sorted({max(1, round(i * len(losses) / (points - 1))) for i in range(points)})
+    return ", ".join(
+        f"{s}: {sum(losses[max(0, s - 10) : s]) / len(losses[max(0, s - 10) : s]):.3f}"
+        for s in steps
+    )
 
 
 def plot(losses: list[float], held_out: float, path: str) -> None:
