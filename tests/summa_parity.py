@@ -122,6 +122,7 @@ def bad_inputs(ctx):
         "embedding_dim": lambda: gnn.Embedding(10, 6),
         "split_batch": lambda: split_batch(torch.zeros(5, 2), ctx),
         "width": lambda: gnn.Linear(8, 8)(torch.zeros(2, 3)),
+        "tied": lambda: gnn.Classifier(H, V, weight=gnn.VocabParallelEmbedding(V, H).weight),
     }.items():
         try:
             fn()

@@ -35,6 +35,7 @@ def test_shards_are_one_over_T_and_bad_arguments_fail_early():
     assert "embedding_dim=6 must be divisible by 4" in messages["embedding_dim"]
     assert "batch size 5 must be divisible by 2" in messages["split_batch"]
     assert "expected this rank's hidden block of 4" in messages["width"]
+    assert "Classifier: a tied weight must be split" in messages["tied"]
 
 
 def _fractions_and_errors(ctx):

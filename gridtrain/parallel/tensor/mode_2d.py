@@ -9,6 +9,8 @@ Layout, with rank (i, j) = (grid row, grid column), see ``summa.py``:
 * every rank holds 1/q^2 = 1/T of each sharded parameter; only ``Classifier``'s
   bias (``num_classes`` values, rarely divisible by q^2) is replicated.
 
+The vocabulary-parallel pair lives in ``summa_vocab``, the batch split, cross
+entropy and accuracy in ``summa_loss``; this module exports the whole set.
 The same classes serve 2.5D (``mode_2p5d``): the grid then has a depth axis that
 splits the batch further and sums weight gradients (``summa.replicated``).
 Each layer is initialised by building its dense twin on the CPU from the default
@@ -23,23 +25,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.context import ParallelContext, get_context
+from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import get_shard_spec, set_shard_spec, shard_tensor
 from gridtrain.parallel.tensor import dense
 from gridtrain.parallel.tensor.summa import (
-    SummaGrid,
+    both_axes,
+    check_divisible,
+    check_width,
+    classifier_weight,
     gather_col,
+    grid_of,
     matmul_ab,
-    matmul_abt,
     replicated,
+    shard_param,
 )
-from gridtrain.parallel.tensor.summa_loss import (
-    VOCAB_PARALLEL_TAG,
-    CrossEntropyLoss,
-    accuracy,
-    split_batch,
-)
+from gridtrain.parallel.tensor.summa_loss import CrossEntropyLoss, accuracy, split_batch
+from gridtrain.parallel.tensor.summa_vocab import VocabParallelClassifier, VocabParallelEmbedding
 
 __all__ = [
     "Classifier",
@@ -54,34 +55,6 @@ __all__ = [
     "accuracy",
     "split_batch",
 ]
-
-
-def _grid(ctx: ParallelContext | None) -> SummaGrid:
-    return SummaGrid.of(ctx or get_context())
-
-
-def _divides(layer: str, arg: str, value: int, by: int, why: str) -> None:
-    if value % by:
-        raise ValueError(f"{layer}: {arg}={value} must be divisible by {by} ({why})")
-
-
-def _shard(full: Tensor, spec, grid: SummaGrid, device) -> nn.Parameter:
-    """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``."""
-    shard = shard_tensor(full.detach(), spec, grid.ctx)
-    param = nn.Parameter(shard.to(device or grid.ctx.device))
-    return set_shard_spec(param, *spec)
-
-
-def _both_axes(dim: int, g: SummaGrid):
-    """Split ``dim`` over grid columns, then each column's block over grid rows (1/q^2)."""
-    return ((dim, g.row_mode), (dim, g.col_mode))
-
-
-def _check_width(layer: str, x: Tensor, width: int) -> None:
-    if x.shape[-1] != width:
-        raise ValueError(
-            f"{layer}: input's last dim is {x.shape[-1]}, expected this rank's hidden block of {width}"
-        )
 
 
 class Linear(nn.Module):
@@ -102,17 +75,19 @@ class Linear(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        g = self.grid = _grid(ctx)
-        _divides("Linear", "in_features", in_features, g.q, "split over the grid rows")
-        _divides("Linear", "out_features", out_features, g.q, "split over the grid columns")
+        g = self.grid = grid_of(ctx)
+        check_divisible("Linear", "in_features", in_features, g.q, "split over the grid rows")
+        check_divisible("Linear", "out_features", out_features, g.q, "split over the grid columns")
         if bias:
-            _divides("Linear", "out_features", out_features, g.q**2, "the bias is split q^2 ways")
+            check_divisible(
+                "Linear", "out_features", out_features, g.q**2, "the bias is split q^2 ways"
+            )
         self.in_features, self.out_features = in_features, out_features
         twin = nn.Linear(in_features, out_features, bias, dtype=dtype)
         # nn.Linear stores [out, in]: out over grid columns, in over grid rows
-        self.weight = _shard(twin.weight, ((0, g.row_mode), (1, g.col_mode)), g, device)
+        self.weight = shard_param(twin.weight, ((0, g.row_mode), (1, g.col_mode)), g, device)
         if bias:
-            self.bias = _shard(twin.bias, _both_axes(0, g), g, device)
+            self.bias = shard_param(twin.bias, both_axes(0, g), g, device)
         else:
             self.register_parameter("bias", None)
 
@@ -120,7 +95,7 @@ class Linear(nn.Module):
         g = self.grid
         if g.q > 1 and x.shape[-1] == self.in_features:
             x = comm.split_to_group(x, -1, g.row_group)
-        _check_width("Linear", x, self.in_features // g.q)
+        check_width("Linear", x, self.in_features // g.q)
         lead = x.shape[:-1]
         w = replicated(self.weight, g)
         y = matmul_ab(x.reshape(-1, x.shape[-1]), w.t(), g)
@@ -152,23 +127,23 @@ class LayerNorm(nn.Module):
         )
         if len(shape) != 1:
             raise ValueError(f"LayerNorm: normalized_shape must be one dim, got {normalized_shape}")
-        g = self.grid = _grid(ctx)
+        g = self.grid = grid_of(ctx)
         self.hidden, self.eps = shape[0], eps
         by = g.q**2 if elementwise_affine else g.q
-        _divides(
+        check_divisible(
             "LayerNorm", "normalized_shape", self.hidden, by, "hidden blocks x parameter split"
         )
         twin = nn.LayerNorm(self.hidden, eps, elementwise_affine, bias, dtype=dtype)
         self.weight = (
-            _shard(twin.weight, _both_axes(0, g), g, device) if elementwise_affine else None
+            shard_param(twin.weight, both_axes(0, g), g, device) if elementwise_affine else None
         )
         self.bias = (
-            _shard(twin.bias, _both_axes(0, g), g, device) if twin.bias is not None else None
+            shard_param(twin.bias, both_axes(0, g), g, device) if twin.bias is not None else None
         )
 
     def forward(self, x: Tensor) -> Tensor:
         g = self.grid
-        _check_width("LayerNorm", x, self.hidden // g.q)
+        check_width("LayerNorm", x, self.hidden // g.q)
         xf = x.float()
         # each rank uses the row's statistics for its own block: sum the gradients back
         mean = comm.all_reduce(xf.sum(-1, keepdim=True), g.row_group) / self.hidden
@@ -199,58 +174,15 @@ class Embedding(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        g = self.grid = _grid(ctx)
-        _divides("Embedding", "embedding_dim", embedding_dim, g.q**2, "split q^2 ways")
+        g = self.grid = grid_of(ctx)
+        check_divisible("Embedding", "embedding_dim", embedding_dim, g.q**2, "split q^2 ways")
         twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
-        self.weight = _shard(twin.weight, _both_axes(1, g), g, device)
+        self.weight = shard_param(twin.weight, both_axes(1, g), g, device)
 
     def forward(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, gather_col(self.weight, 1, self.grid), self.padding_idx)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.grid}"
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding with the vocabulary split over grid rows and the dim over grid columns.
-
-    Each grid column gathers its rows' token ids, looks up its vocabulary block
-    and reduce-scatters the partial embeddings back to their batch blocks.
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        device=None,
-        dtype: torch.dtype | None = None,
-        *,
-        ctx: ParallelContext | None = None,
-    ):
-        super().__init__()
-        g = self.grid = _grid(ctx)
-        _divides("VocabParallelEmbedding", "num_embeddings", num_embeddings, g.q, "vocab blocks")
-        _divides("VocabParallelEmbedding", "embedding_dim", embedding_dim, g.q, "hidden blocks")
-        twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = twin.padding_idx
-        self.weight = _shard(twin.weight, ((0, g.col_mode), (1, g.row_mode)), g, device)
-        self.vocab_start = g.i * (num_embeddings // g.q)
-
-    def forward(self, ids: Tensor) -> Tensor:
-        g, n = self.grid, self.num_embeddings // self.grid.q
-        ids = comm.all_gather_raw(ids, 0, g.col_group)  # every batch block of this column
-        local = ids - self.vocab_start
-        mine = (local >= 0) & (local < n)
-        pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < n:
-            pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local.masked_fill(~mine, 0), replicated(self.weight, g), pad)
-        out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        return comm.reduce_scatter(out, 0, g.col_group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.grid}"
@@ -274,23 +206,13 @@ class Classifier(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        g = self.grid = _grid(ctx)
-        _divides("Classifier", "in_features", in_features, g.q**2, "split q^2 ways")
+        g = self.grid = grid_of(ctx)
+        check_divisible("Classifier", "in_features", in_features, g.q**2, "split q^2 ways")
         self.in_features, self.num_classes = in_features, num_classes
-        spec = _both_axes(1, g)
-        if weight is None:
-            twin = dense.Classifier(in_features, num_classes, bias=False, dtype=dtype)
-            weight = _shard(twin.weight, spec, g, None)
-        elif get_shard_spec(weight) != spec or tuple(weight.shape) != (
-            num_classes,
-            in_features // g.q**2,
-        ):
-            raise ValueError(
-                f"Classifier: a tied weight must be a {g.q}x{g.q} Embedding's weight of dense "
-                f"shape ({num_classes}, {in_features}); got local shape {tuple(weight.shape)} "
-                f"with shard spec {get_shard_spec(weight)}"
-            )
-        self.weight = weight
+        spec = both_axes(1, g)
+        self.weight = classifier_weight(
+            "Classifier", weight, spec, in_features, num_classes, g, dtype
+        )
         if bias:
             self.bias = nn.Parameter(torch.zeros(num_classes, dtype=dtype, device=g.ctx.device))
         else:
@@ -298,7 +220,7 @@ class Classifier(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         g = self.grid
-        _check_width("Classifier", x, self.in_features // g.q)
+        check_width("Classifier", x, self.in_features // g.q)
         partial = x @ gather_col(self.weight, 1, g).t()
         # one logit tensor, replicated along the row: the loss's gradient passes unchanged
         logits = comm.reduce_from_group(partial, g.row_group)
@@ -306,66 +228,6 @@ class Classifier(nn.Module):
             # every batch block adds the same bias: sum their gradients
             bias = replicated(comm.copy_to_group(self.bias, g.col_group), g)
             logits = logits + bias
-        return logits
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, num_classes={self.num_classes}, {self.grid}"
-
-
-class VocabParallelClassifier(nn.Module):
-    """``logits = x W^T + b`` by SUMMA ``A B^T``; logits stay blocked ``[batch block, vocab block]``.
-
-    ``weight`` is split like ``VocabParallelEmbedding``'s (tie by passing it).
-    Pair with this mode's ``CrossEntropyLoss``/``accuracy``, which recognise the
-    output (or a view of it) as vocab-parallel.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        num_classes: int,
-        weight: nn.Parameter | None = None,
-        bias: bool = True,
-        dtype: torch.dtype | None = None,
-        *,
-        ctx: ParallelContext | None = None,
-    ):
-        super().__init__()
-        g = self.grid = _grid(ctx)
-        name = "VocabParallelClassifier"
-        _divides(name, "in_features", in_features, g.q, "hidden blocks")
-        _divides(name, "num_classes", num_classes, g.q**2 if bias else g.q, "vocab blocks")
-        self.in_features, self.num_classes = in_features, num_classes
-        spec = ((0, g.col_mode), (1, g.row_mode))
-        if weight is None:
-            twin = dense.Classifier(in_features, num_classes, bias=False, dtype=dtype)
-            weight = _shard(twin.weight, spec, g, None)
-        elif get_shard_spec(weight) != spec or tuple(weight.shape) != (
-            num_classes // g.q,
-            in_features // g.q,
-        ):
-            raise ValueError(
-                f"{name}: a tied weight must be a VocabParallelEmbedding's weight of dense shape "
-                f"({num_classes}, {in_features}); got local shape {tuple(weight.shape)} "
-                f"with shard spec {get_shard_spec(weight)}"
-            )
-        self.weight = weight
-        if bias:
-            self.bias = _shard(torch.zeros(num_classes, dtype=dtype), _both_axes(0, g), g, None)
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        g = self.grid
-        _check_width("VocabParallelClassifier", x, self.in_features // g.q)
-        lead = x.shape[:-1]
-        logits = matmul_abt(x.reshape(-1, x.shape[-1]), replicated(self.weight, g), g)
-        if self.bias is not None:
-            logits = logits + gather_col(self.bias, 0, g)
-        logits = logits.reshape(*lead, logits.shape[-1])
-        for t in (logits, logits._base):  # views of the output share its _base: tag that too
-            if t is not None:
-                setattr(t, VOCAB_PARALLEL_TAG, True)
         return logits
 
     def extra_repr(self) -> str:
@@ -390,14 +252,14 @@ class PatchEmbedding(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        g = self.grid = _grid(ctx)
-        _divides("PatchEmbedding", "embed_size", embed_size, g.q**2, "split q^2 ways")
+        g = self.grid = grid_of(ctx)
+        check_divisible("PatchEmbedding", "embed_size", embed_size, g.q**2, "split q^2 ways")
         twin = dense.PatchEmbedding(img_size, patch_size, in_chans, embed_size, dtype=dtype)
         self.patch_size = patch_size
-        self.weight = _shard(twin.weight, _both_axes(0, g), g, None)
-        self.bias = _shard(twin.bias, _both_axes(0, g), g, None)
-        self.cls_token = _shard(twin.cls_token, _both_axes(2, g), g, None)
-        self.pos_embed = _shard(twin.pos_embed, _both_axes(2, g), g, None)
+        self.weight = shard_param(twin.weight, both_axes(0, g), g, None)
+        self.bias = shard_param(twin.bias, both_axes(0, g), g, None)
+        self.cls_token = shard_param(twin.cls_token, both_axes(2, g), g, None)
+        self.pos_embed = shard_param(twin.pos_embed, both_axes(2, g), g, None)
 
     def forward(self, x: Tensor) -> Tensor:
         g = self.grid
@@ -415,7 +277,7 @@ class Dropout(nn.Dropout):
         self, p: float = 0.5, inplace: bool = False, *, ctx: ParallelContext | None = None
     ):
         super().__init__(p, inplace)
-        self.grid = _grid(ctx)
+        self.grid = grid_of(ctx)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0:

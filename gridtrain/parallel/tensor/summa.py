@@ -24,11 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode as PM
+from gridtrain.parallel.sharding import get_shard_spec, set_shard_spec, shard_tensor
+from gridtrain.parallel.tensor import dense
 
 _MODES = {
     "2d": (PM.PARALLEL_2D_ROW, PM.PARALLEL_2D_COL, None),
@@ -121,6 +123,59 @@ def gather_col(param: Tensor, dim: int, grid: SummaGrid) -> Tensor:
     of the depth slices).
     """
     return comm.all_gather(replicated(param, grid), dim, grid.col_group)
+
+
+# ---- building layer parameters on the grid ------------------------------------------------
+def grid_of(ctx: ParallelContext | None) -> SummaGrid:
+    """The grid of ``ctx``, or of the current context (the user-facing layers' fallback)."""
+    return SummaGrid.of(ctx or get_context())
+
+
+def check_divisible(layer: str, arg: str, value: int, by: int, why: str) -> None:
+    """Raise, naming the argument, where a size does not split over the grid."""
+    if value % by:
+        raise ValueError(f"{layer}: {arg}={value} must be divisible by {by} ({why})")
+
+
+def shard_param(full: Tensor, spec, grid: SummaGrid, device) -> nn.Parameter:
+    """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``."""
+    shard = shard_tensor(full.detach(), spec, grid.ctx)
+    param = nn.Parameter(shard.to(device or grid.ctx.device))
+    return set_shard_spec(param, *spec)
+
+
+def both_axes(dim: int, g: SummaGrid):
+    """Split ``dim`` over grid columns, then each column's block over grid rows (1/q^2)."""
+    return ((dim, g.row_mode), (dim, g.col_mode))
+
+
+def check_width(layer: str, x: Tensor, width: int) -> None:
+    """Raise where an input is not this rank's hidden block (before any collective)."""
+    if x.shape[-1] != width:
+        raise ValueError(
+            f"{layer}: input's last dim is {x.shape[-1]}, expected this rank's hidden block of {width}"
+        )
+
+
+def classifier_weight(layer, weight, spec, in_features, num_classes, g: SummaGrid, dtype):
+    """A new ``[num_classes, in_features]`` weight cut by ``spec``, or a tied one checked against it."""
+    if weight is None:
+        twin = dense.Classifier(in_features, num_classes, bias=False, dtype=dtype)
+        return shard_param(twin.weight, spec, g, None)
+    if get_shard_spec(weight) != spec:
+        raise ValueError(
+            f"{layer}: a tied weight must be split {spec} (the matching embedding of this "
+            f"mode), got shard spec {get_shard_spec(weight)}"
+        )
+    want = list(
+        shard_tensor(torch.empty(num_classes, in_features, device="meta"), spec, g.ctx).shape
+    )
+    if list(weight.shape) != want:
+        raise ValueError(
+            f"{layer}: a tied weight of dense shape ({num_classes}, {in_features}) holds "
+            f"{tuple(want)} here, got {tuple(weight.shape)}"
+        )
+    return weight
 
 
 # ---- the three block products (non-differentiable; autograd wrappers below) ---------------
