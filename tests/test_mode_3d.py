@@ -339,7 +339,10 @@ def test_checkpoint_round_trips_between_3d_dense_and_other_layouts(tmp_path):
         for got, loss in run_distributed(_round_trip, world, saved, config=cfg, timeout=TIMEOUT):
             assert set(got) == set(saved), mode
             assert all(torch.equal(got[k], v) for k, v in saved.items()), mode
-            assert abs(loss - want) < 1e-10, (mode, loss, want)  # float64 sum order only
+            # float64: 3d differs only in sum order; other modes may take LayerNorm statistics
+            # in float32 (mode_2d does), ~1e-7
+            tol = 1e-10 if mode == "3d" else 1e-6
+            assert abs(loss - want) < tol, (mode, loss, want)
     # none -> 3d: a dense-edited state comes back unchanged through the cube
     edited = {k: v + 0.5 for k, v in dense_model.state_dict().items()}
     got, _ = run_distributed(_round_trip, 8, edited, config=CUBE, timeout=TIMEOUT)[0]
