@@ -224,6 +224,8 @@ def tensor_parallel(args, preset: str, tp: int) -> float:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     peak, peak_note = peak_flops(args)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # one core per process, as in the TP workers
     gt.launch(
         config_for(args),
         0,
@@ -264,7 +266,7 @@ def print_table(rows: list[dict], args, peak_note: str) -> None:
         f"{args.device}{' (compiled)' if args.compile else ''}; best of {args.rounds} rounds x "
         f"{args.steps} steps; MFU peak: {peak_note}"
     )
-    head = f"{'preset':<8} {'params':>8} {'mode':<18} {'tokens/s':>12} {'tok/s/GPU':>12} {'MFU':>7} {'engine/plain':>13}"
+    head = f"{'preset':<8} {'params':>8} {'mode':<18} {'tokens/s':>12} {'tok/s/device':>12} {'MFU':>7} {'engine/plain':>13}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
