@@ -387,13 +387,16 @@ def test_transformer_block_equals_dense_after_adamw(tp):
             for k, v in state.items():
                 assert torch.equal(init[k], v), (tag, k)  # same seed: same dense draw, cut
             if dtype == torch.float64:
-                # float64: split matmuls and all-reduces reorder sums at ~1e-16; AdamW's
-                # normalised step cannot amplify that past ~1e-12 in 3 steps
+                # float64: split matmuls and all-reduces reorder sums, measured <= 5e-16 on
+                # gradients and 1.4e-16 relative on losses
                 assert losses == pytest.approx(d_losses, rel=1e-12, abs=0), tag
                 for k, g in d_grads.items():
                     assert _max_err(grads[k], g) < 1e-12, (tag, k)
+                # AdamW divides by sqrt(v) + eps (1e-8): on near-zero gradients a difference
+                # dg moves a weight by up to lr * dg / eps = 1e-2 * 5e-16 / 1e-8 = 5e-10 per
+                # step (measured <= 3e-11 after 3 steps); a wrong shard or reduction is O(lr)
                 for k, v in d_final.items():
-                    assert _max_err(final[k], v) < 1e-10, (tag, k)
+                    assert _max_err(final[k], v) < 2e-9, (tag, k)
             else:
                 # float32: reordered sums of <= 32 terms, a few ulps of O(1) values. Weights
                 # after AdamW are checked in float64 only: on near-zero grads (~1e-9, the
