@@ -120,7 +120,11 @@ class Embedding1D(nn.Module):
 
 class VocabParallelEmbedding1D(nn.Module):
     """Embedding with the vocabulary split: weight ``[num/n, dim]``; each rank looks up the
-    ids it owns (others read zero) and the partial rows are all-reduced (replicated output)."""
+    ids it owns (others read zero) and the partial rows are all-reduced (replicated output).
+
+    Ids outside ``[0, num_embeddings)`` are owned by no rank and read zeros (the dense
+    layer raises); they are not checked here, which would cost a device sync per call.
+    """
 
     def __init__(
         self,
