@@ -17,6 +17,7 @@ from torch import nn
 import gridtrain as gt
 import gridtrain.nn as gnn
 from gridtrain.parallel import comm
+from gridtrain.parallel.pipeline.partition import _materialise
 from gridtrain.parallel.sharding import (
     full_state_dict,
     get_shard_spec,
@@ -210,6 +211,19 @@ def train_parity(ctx, vocab_parallel: bool, steps: int = 3, data_parallel: bool 
     final = full_state_dict(par)
     weight_err = max(_err(v, ref.state_dict()[k]) for k, v in final.items())
     return {"init_err": init_err, "losses": losses, "accs": accs, "weight_err": weight_err}
+
+
+def lazy_init_matches_dense(ctx):
+    """Built on meta (``gt.lazy_init``), then allocated and reset as the engine does:
+    the max difference from the eagerly built dense model (same seed)."""
+    with gt.lazy_init():
+        model = TinyLM(gnn, vocab_parallel=True)
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    _materialise([model], ctx.device)  # what each pipeline stage runs on its layers
+    torch.manual_seed(0)
+    ref = TinyLM(dense, vocab_parallel=True)
+    return max(_err(v, ref.state_dict()[k]) for k, v in full_state_dict(model).items())
 
 
 # ---- cross-mode checkpoint ----------------------------------------------------------------

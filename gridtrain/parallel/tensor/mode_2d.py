@@ -20,6 +20,8 @@ starts from the same weights as the one built with no parallelism.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -33,6 +35,7 @@ from gridtrain.parallel.tensor.summa import (
     check_divisible,
     check_width,
     classifier_weight,
+    copy_from_twin,
     gather_col,
     grid_of,
     matmul_ab,
@@ -83,13 +86,18 @@ class Linear(nn.Module):
                 "Linear", "out_features", out_features, g.q**2, "the bias is split q^2 ways"
             )
         self.in_features, self.out_features = in_features, out_features
-        twin = nn.Linear(in_features, out_features, bias, dtype=dtype)
+        self._twin = functools.partial(nn.Linear, in_features, out_features, bias, dtype=dtype)
+        twin = self._twin()
         # nn.Linear stores [out, in]: out over grid columns, in over grid rows
         self.weight = shard_param(twin.weight, ((0, g.row_mode), (1, g.col_mode)), g, device)
         if bias:
             self.bias = shard_param(twin.bias, both_axes(0, g), g, device)
         else:
             self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        """The dense layer's init (same draws), this rank's shard of it."""
+        copy_from_twin(self, self._twin())
 
     def forward(self, x: Tensor) -> Tensor:
         g = self.grid
@@ -133,13 +141,20 @@ class LayerNorm(nn.Module):
         check_divisible(
             "LayerNorm", "normalized_shape", self.hidden, by, "hidden blocks x parameter split"
         )
-        twin = nn.LayerNorm(self.hidden, eps, elementwise_affine, bias, dtype=dtype)
+        self._twin = functools.partial(
+            nn.LayerNorm, self.hidden, eps, elementwise_affine, bias, dtype=dtype
+        )
+        twin = self._twin()
         self.weight = (
             shard_param(twin.weight, both_axes(0, g), g, device) if elementwise_affine else None
         )
         self.bias = (
             shard_param(twin.bias, both_axes(0, g), g, device) if twin.bias is not None else None
         )
+
+    def reset_parameters(self) -> None:
+        """The dense layer's init (same draws), this rank's shard of it."""
+        copy_from_twin(self, self._twin())
 
     def forward(self, x: Tensor) -> Tensor:
         g = self.grid
@@ -176,10 +191,17 @@ class Embedding(nn.Module):
         super().__init__()
         g = self.grid = grid_of(ctx)
         check_divisible("Embedding", "embedding_dim", embedding_dim, g.q**2, "split q^2 ways")
-        twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
+        self._twin = functools.partial(
+            nn.Embedding, num_embeddings, embedding_dim, padding_idx, dtype=dtype
+        )
+        twin = self._twin()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
         self.weight = shard_param(twin.weight, both_axes(1, g), g, device)
+
+    def reset_parameters(self) -> None:
+        """The dense layer's init (same draws), this rank's shard of it."""
+        copy_from_twin(self, self._twin())
 
     def forward(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, gather_col(self.weight, 1, self.grid), self.padding_idx)
@@ -214,7 +236,7 @@ class Classifier(nn.Module):
             "Classifier", weight, spec, in_features, num_classes, g, dtype
         )
         if bias:
-            self.bias = nn.Parameter(torch.zeros(num_classes, dtype=dtype, device=g.ctx.device))
+            self.bias = shard_param(torch.zeros(num_classes, dtype=dtype), (), g, None)
         else:
             self.register_parameter("bias", None)
 

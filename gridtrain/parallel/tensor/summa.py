@@ -138,10 +138,26 @@ def check_divisible(layer: str, arg: str, value: int, by: int, why: str) -> None
 
 
 def shard_param(full: Tensor, spec, grid: SummaGrid, device) -> nn.Parameter:
-    """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``."""
+    """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``.
+
+    A meta ``full`` (under ``gt.lazy_init``) gives a meta shard, materialised later.
+    """
     shard = shard_tensor(full.detach(), spec, grid.ctx)
-    param = nn.Parameter(shard.to(device or grid.ctx.device))
-    return set_shard_spec(param, *spec)
+    if not shard.is_meta:
+        shard = shard.to(device or grid.ctx.device)
+    return set_shard_spec(nn.Parameter(shard), *spec)
+
+
+@torch.no_grad()
+def copy_from_twin(module: nn.Module, twin: nn.Module) -> None:
+    """Copy this rank's shard of each of the dense ``twin``'s parameters into ``module``.
+
+    A layer's ``reset_parameters`` builds a fresh twin (the dense init's draws) and
+    calls this, so ``gt.lazy_init`` materialises the same weights as a dense model.
+    """
+    for name, full in twin.named_parameters(recurse=False):
+        param = getattr(module, name)
+        param.copy_(shard_tensor(full, get_shard_spec(param), module.grid.ctx))
 
 
 def both_axes(dim: int, g: SummaGrid):

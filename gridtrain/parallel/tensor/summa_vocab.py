@@ -9,6 +9,8 @@ accuracy.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,6 +22,7 @@ from gridtrain.parallel.tensor.summa import (
     check_divisible,
     check_width,
     classifier_weight,
+    copy_from_twin,
     gather_col,
     grid_of,
     matmul_abt,
@@ -54,11 +57,18 @@ class VocabParallelEmbedding(nn.Module):
         check_divisible(
             "VocabParallelEmbedding", "embedding_dim", embedding_dim, g.q, "hidden blocks"
         )
-        twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
+        self._twin = functools.partial(
+            nn.Embedding, num_embeddings, embedding_dim, padding_idx, dtype=dtype
+        )
+        twin = self._twin()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
         self.weight = shard_param(twin.weight, ((0, g.col_mode), (1, g.row_mode)), g, device)
         self.vocab_start = g.i * (num_embeddings // g.q)
+
+    def reset_parameters(self) -> None:
+        """The dense layer's init (same draws), this rank's shard of it."""
+        copy_from_twin(self, self._twin())
 
     def forward(self, ids: Tensor) -> Tensor:
         g, n = self.grid, self.num_embeddings // self.grid.q
