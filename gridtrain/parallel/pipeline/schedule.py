@@ -199,7 +199,8 @@ class PipelineSchedule(Schedule):
             if not self._need_loss:
                 return None
             label = self._labels[index]
-            loss = engine.compute_loss(out, *(label if isinstance(label, tuple) else (label,)))
+            labels = () if label is None else label if isinstance(label, tuple) else (label,)
+            loss = engine.compute_loss(out, *labels)
         self._losses.append(loss.detach().float())
         return loss / self.num_microbatches
 
