@@ -1,6 +1,6 @@
 """Bytes each tensor-parallel mode moves per training step, measured beside each paper's formula.
 
-    python benchmarks/comm_volume.py                      # CPU, gloo: byte table (~1-3 min)
+    python benchmarks/comm_volume.py                      # CPU, gloo: byte table (a few minutes)
     python benchmarks/comm_volume.py --time               # CUDA: + step time at 4 and 8 GPUs
     python benchmarks/comm_volume.py --sizes 8x16x64 --modes 3d
 
