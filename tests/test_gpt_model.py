@@ -230,3 +230,51 @@ def test_1d_equals_dense_after_adamw_steps(tp):
             # gradient is rounding noise (e.g. attention keys at near-uniform attention) may
             # move differently by a fraction of lr (measured 2.7e-4 = 0.03 lr at tp 2)
             torch.testing.assert_close(final[k], v, rtol=0, atol=0.1 * LR, msg=f"rank {rank} {k}")
+
+
+# ---- the training script, end to end ------------------------------------------------------------
+def _run_train_script(rank, world_size, port, config, argv):
+    """``demos/gpt/train.py``'s main as torchrun would start it (env vars restored after)."""
+    import os
+
+    from demos.gpt import train
+
+    env = dict(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GRIDTRAIN_CONFIG=str(config),
+    )
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return train.main(argv)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+TRAIN_ARGV = ["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--eval-batches", "1"]
+TRAIN_ARGV += ["--sample-tokens", "4", "--warmup", "2"]
+
+
+@NEEDS_1D
+def test_train_script_same_losses_in_every_layout():
+    configs = REPO / "demos/gpt/configs"
+    runs = {
+        name: run_distributed(
+            _run_train_script, world, configs / f"{name}.py", TRAIN_ARGV, launch=False, timeout=300
+        )
+        for name, world in (("none", 1), ("dp2_tp2", 4))
+    }
+    reference = runs["none"][0]
+    assert reference["losses"][-1] < reference["losses"][0]  # it learns
+    for rank, result in enumerate(runs["dp2_tp2"]):
+        # same weights and global batches; float32 sums reordered by the split (~1e-7 relative)
+        assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5), rank
+        assert result["held_out"] == pytest.approx(reference["held_out"], rel=1e-5), rank

@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import data as gpt_data  # noqa: E402 - the demo's own modules, next to this file
-import model as gpt_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import gridtrain as gt  # noqa: E402
+from demos.gpt import data as gpt_data  # noqa: E402
+from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
 
 PM = gt.ParallelMode
