@@ -215,11 +215,20 @@ def _all_layers(ctx):
             make()
         except ValueError as e:
             bad[what] = str(e)
-    return errs, sizes, bad
+    drop = m3.Dropout(0.5, ctx=ctx)
+    kept = drop(torch.ones(64, dtype=DT))
+    same_in_eval = torch.equal(drop.eval()(torch.ones(4)), torch.ones(4))
+    return errs, sizes, bad, (kept, same_in_eval)
 
 
 def test_every_layer_matches_its_dense_twin():
-    errs, sizes, bad = run_distributed(_all_layers, 8, config=CUBE, timeout=TIMEOUT)[0]
+    results = run_distributed(_all_layers, 8, config=CUBE, timeout=TIMEOUT)
+    errs, sizes, bad, _ = results[0]
+    masks = [r[3][0] for r in results]
+    assert all(r[3][1] for r in results), "Dropout is the identity in eval mode"
+    assert all(set(m.unique().tolist()) <= {0.0, 2.0} for m in masks)  # kept values scaled 1/(1-p)
+    # every rank holds a different piece of an activation: a different mask on each
+    assert len({tuple(m.tolist()) for m in masks}) == 8
     for layer, per in errs.items():
         for what, err in per.items():
             if what.startswith("acc_"):
