@@ -30,7 +30,7 @@ from gridtrain.engine import (
     Trainer,
 )
 
-IN, CLASSES, N_TRAIN, N_TEST, GLOBAL_BATCH = 8, 4, 32, 30, 8
+IN, HIDDEN, CLASSES, N_TRAIN, N_TEST, GLOBAL_BATCH = 8, 16, 4, 32, 28, 8
 EPOCHS, LR, GAMMA = 3, 0.5, 0.5
 TIMEOUT = 300
 
@@ -45,7 +45,9 @@ def _data():
 
 def _model():
     torch.manual_seed(3)
-    return torch.nn.Linear(IN, CLASSES)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES)
+    )
 
 
 def _records(trainer):
@@ -59,7 +61,7 @@ def _engine(ctx, model, optimizer, lr_scheduler=None):
     (xt, yt), (xs, ys) = _data()
     per_rank = GLOBAL_BATCH // ctx.data_parallel_size
     train_dl = gt.data.get_dataloader(TensorDataset(xt, yt), per_rank, drop_last=True)
-    # 30 test samples: uneven last batches (15 per rank at world 2 -> 4,4,4,3)
+    # 28 test samples: a short last batch (14 per data rank at world 2 -> 4,4,4,2)
     test_dl = gt.data.get_dataloader(TensorDataset(xs, ys), per_rank)
     engine, train_dl, test_dl, _ = gt.initialize(
         model, optimizer, torch.nn.CrossEntropyLoss(), train_dl, test_dl, lr_scheduler
@@ -125,7 +127,7 @@ def _reference():
         train_acc.append(correct / N_TRAIN)
         with torch.no_grad():
             out = model(xs)
-        test_loss.append(F.cross_entropy(out, ys).item())  # mean over all 30 samples
+        test_loss.append(F.cross_entropy(out, ys).item())  # mean over all 28 samples
         test_acc.append(int((out.argmax(-1) == ys).sum()) / N_TEST)
     return dict(
         step_loss=step_loss,
@@ -140,9 +142,15 @@ def _reference():
     )
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_fit_records_the_reference_metrics_on_every_rank(world, tmp_path):
-    results = run_distributed(_fit_with_every_hook, world, str(tmp_path), timeout=TIMEOUT)
+PIPELINE = dict(parallel=dict(pipeline=2), num_microbatches=2)
+LAYOUTS = [(1, {}), (2, {}), (4, PIPELINE)]  # one process, data parallel, dp 2 x pipeline 2
+
+
+@pytest.mark.parametrize("world,config", LAYOUTS, ids=["w1", "dp2", "dp2-pp2"])
+def test_fit_records_the_reference_metrics_on_every_rank(world, config, tmp_path):
+    results = run_distributed(
+        _fit_with_every_hook, world, str(tmp_path), config=config, timeout=TIMEOUT
+    )
     for r in results[1:]:
         # every rank reads the same all-reduced float64 numbers: bitwise equal
         assert r["records"] == results[0]["records"]
@@ -160,7 +168,7 @@ def test_fit_records_the_reference_metrics_on_every_rank(world, tmp_path):
     assert all(
         math.isclose(a, b, **tol) for a, b in zip(loss_epoch, ref["train_loss"], strict=True)
     )
-    # test loss: mean over all 30 samples although the last batches are short
+    # test loss: the mean over all 28 samples although the last batches are short
     assert all(
         math.isclose(a, b, **tol) for a, b in zip(test["loss"][2], ref["test_loss"], strict=True)
     )
@@ -209,7 +217,9 @@ def _check_files(out_dir, records):
 
 
 def _train_with_checkpoints(ctx, ckpt_dir, resume_epoch):
-    model = _model() if resume_epoch is None else torch.nn.Linear(IN, CLASSES)  # other init
+    model = _model()
+    if resume_epoch is not None:  # start from other weights: the checkpoint must replace them
+        torch.nn.init.normal_(model[0].weight)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
     engine, train_dl, _ = _engine(ctx, model, optimizer)
