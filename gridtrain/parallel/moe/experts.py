@@ -1,0 +1,123 @@
+"""FFN experts, stacked: this rank holds ``num_experts / expert_parallel_size`` of them.
+
+Each weight is one ``[num_local_experts, ...]`` tensor tagged as a shard of the
+dense ``[num_experts, ...]`` tensor along dim 0 over EXPERT, so full state dicts
+and checkpoints move between expert-parallel sizes; its gradient is averaged
+over EXPERT_DATA (the ranks holding the same experts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.sharding import set_dp_mode, set_shard_spec
+
+
+def expert_parallel_size(ctx: ParallelContext | None) -> int:
+    """Ranks one layer's experts are spread over (1 with no context)."""
+    return ctx.world_size(ParallelMode.EXPERT) if ctx is not None else 1
+
+
+def check_num_experts(num_experts: int, ep: int) -> int:
+    """Experts per rank; a clear error when ``ep`` does not divide ``num_experts``."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if num_experts % ep:
+        raise ValueError(
+            f"num_experts {num_experts} is not divisible by moe.expert_parallel_size {ep}: "
+            f"each rank of an expert group must hold the same number of experts"
+        )
+    return num_experts // ep
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: Tensor, scale: float) -> Tensor:
+    """``x`` whose gradient is multiplied by ``scale``."""
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+class Experts(nn.Module):
+    """``num_experts`` two-layer FFNs ``act(x W1 + b1) W2 + b2``, this rank's share stacked.
+
+    Forward takes ``[num_local_experts, tokens, hidden]`` and returns the same shape.
+    Weights: ``w1 [E, hidden, ffn]``, ``b1 [E, ffn]``, ``w2 [E, ffn, hidden]``,
+    ``b2 [E, hidden]`` in the dense model, drawn like ``nn.Linear`` per expert
+    from the default generator (equal on every rank) and then cut, so any
+    expert-parallel size starts from the same dense weights.
+
+    Gradient scale: after the combine all-to-all's backward, an expert's gradient
+    on one rank already sums the tokens of all ``ep`` ranks of its EXPERT group;
+    averaging over EXPERT_DATA (``data / ep`` ranks) would then give ``ep`` times
+    the data-parallel mean, so the weights pass through a ``1/ep`` gradient scale.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_size: int,
+        activation: Callable[[Tensor], Tensor] = F.gelu,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        ctx: ParallelContext | None = None,
+    ):
+        super().__init__()
+        self.ep = expert_parallel_size(ctx)
+        self.num_experts = num_experts
+        self.num_local_experts = check_num_experts(num_experts, self.ep)
+        self.activation = activation
+        rank = ctx.local_rank(ParallelMode.EXPERT) if ctx is not None else 0
+        device = device or (ctx.device if ctx is not None else None)
+        b1_bound, b2_bound = 1 / math.sqrt(hidden_size), 1 / math.sqrt(ffn_size)
+        dense = {
+            "w1": torch.empty(num_experts, hidden_size, ffn_size, dtype=dtype).uniform_(
+                -b1_bound, b1_bound
+            ),
+            "b1": torch.empty(num_experts, ffn_size, dtype=dtype).uniform_(-b1_bound, b1_bound),
+            "w2": torch.empty(num_experts, ffn_size, hidden_size, dtype=dtype).uniform_(
+                -b2_bound, b2_bound
+            ),
+            "b2": torch.empty(num_experts, hidden_size, dtype=dtype).uniform_(-b2_bound, b2_bound),
+        }
+        for name, full in dense.items():
+            local = full.chunk(self.ep, dim=0)[rank].contiguous().to(device)
+            param = nn.Parameter(local)
+            set_shard_spec(param, (0, ParallelMode.EXPERT))
+            set_dp_mode(param, ParallelMode.EXPERT_DATA)
+            self.register_parameter(name, param)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3 or x.shape[0] != self.num_local_experts:
+            raise ValueError(
+                f"Experts expects [num_local_experts={self.num_local_experts}, tokens, hidden], "
+                f"got {tuple(x.shape)}"
+            )
+        s = 1.0 / self.ep
+        w1, b1, w2, b2 = (scale_grad(p, s) for p in (self.w1, self.b1, self.w2, self.b2))
+        h = self.activation(torch.baddbmm(b1.unsqueeze(1), x, w1))
+        return torch.baddbmm(b2.unsqueeze(1), h, w2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local={self.num_local_experts}, "
+            f"hidden={self.w1.shape[1]}, ffn={self.w1.shape[2]}"
+        )

@@ -1,0 +1,175 @@
+"""MoeLayer: gate, route, dispatch to the experts over the EXPERT group, combine back (GShard).
+
+Per forward, with ``E`` experts, ``ep`` ranks per expert group and capacity ``C``:
+
+    logits = gate(x)                        [T, E]
+    dispatch, combine = router(logits)      [T, E, C]
+    expert_in = dispatch^T x                [E, C, d] -> all-to-all over EXPERT ->
+                                            [ep sources, E/ep local experts, C, d]
+    expert_out = experts(expert_in)         (each local expert sees ep * C slots)
+    all-to-all back -> [E, C, d];  y = combine . expert_out   [T, d]
+
+The layer keeps each forward's weighted auxiliary loss (load balancing plus
+z-loss) until ``collect_aux_loss(model)`` takes them, and the expert load and
+dropped-token count of the latest forwards for logging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext, get_context, has_context
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.moe.experts import Experts
+from gridtrain.parallel.moe.router import Router, RouterOutput
+
+
+class MoeLayer(nn.Module):
+    """A mixture-of-experts feed-forward layer.
+
+    Args:
+        hidden_size: model width ``d``.
+        num_experts: experts in the layer (divisible by ``moe.expert_parallel_size``).
+        router: a ``Top1Router``/``Top2Router``.
+        experts: the ``Experts`` (built with the same ``num_experts``).
+        aux_loss_coef / z_loss_coef: weights of the two losses in ``collect_aux_loss``.
+        ctx: the parallel context (default: the current one; none means one process).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        router: Router,
+        experts: Experts,
+        aux_loss_coef: float = 1e-2,
+        z_loss_coef: float = 1e-3,
+        ctx: ParallelContext | None = None,
+    ):
+        super().__init__()
+        if ctx is None and has_context():
+            ctx = get_context()
+        if experts.num_experts != num_experts:
+            raise ValueError(
+                f"MoeLayer num_experts {num_experts} != experts.num_experts {experts.num_experts}"
+            )
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.ep = experts.ep
+        self.router = router
+        self.experts = experts
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        device = ctx.device if ctx is not None else None
+        # replicated gate, drawn like nn.Linear(hidden, experts, bias=False)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device)
+        self._ctx = [ctx]  # a list keeps the context out of the module tree (and state dicts)
+        self._losses: list[Tensor] = []
+        self.last_load: Tensor | None = None  # [E] tokens per expert, summed over recent forwards
+        self.last_dropped = 0
+
+    @property
+    def ctx(self) -> ParallelContext | None:
+        return self._ctx[0]
+
+    def _group(self):
+        return self.ctx.group(ParallelMode.EXPERT)
+
+    def _agree_capacity(self, cap: int) -> int:
+        if self.ep == 1:
+            return cap
+        t = torch.tensor([float(cap)], device=self.ctx.device)
+        return int(comm.all_reduce_max(t, self._group()).item())
+
+    def _noise_rng(self):
+        # noise differs per data rank, equal across the tensor ranks that share the tokens
+        if self.ctx is None or not self.training or self.router.noisy_policy is None:
+            return contextlib.nullcontext()
+        return self.ctx.fork_rng(ParallelMode.DATA)
+
+    def route(self, tokens: Tensor) -> RouterOutput:
+        """The router's decision for ``tokens`` [T, d]."""
+        with self._noise_rng():
+            logits = self.gate(self.router.noisy_input(tokens))
+            return self.router(logits, self._agree_capacity)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoeLayer expects [..., {self.hidden_size}], got {tuple(x.shape)}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size)
+        routed = self.route(tokens)
+        self._record(routed)
+        dispatch = routed.dispatch_mask.to(x.dtype)
+        combine = routed.combine_weights.to(x.dtype)
+        cap = dispatch.shape[-1]
+        ep, local = self.ep, self.num_experts // self.ep
+
+        expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
+        expert_in = expert_in.reshape(ep, local, cap, self.hidden_size)
+        if ep > 1:  # chunk j (experts of rank j) to rank j; stack what arrives by source
+            expert_in = comm.all_to_all(expert_in, 0, 0, self._group())
+        expert_in = expert_in.transpose(0, 1).reshape(local, ep * cap, self.hidden_size)
+        expert_out = self.experts(expert_in)
+        expert_out = expert_out.reshape(local, ep, cap, self.hidden_size).transpose(0, 1)
+        if ep > 1:  # each source's slots back to it, stacked by expert rank
+            expert_out = comm.all_to_all(expert_out.contiguous(), 0, 0, self._group())
+        expert_out = expert_out.reshape(self.num_experts, cap, self.hidden_size)
+        return torch.einsum("tec,ecd->td", combine, expert_out).reshape(shape)
+
+    def _record(self, routed: RouterOutput) -> None:
+        loss = self.aux_loss_coef * routed.aux_loss
+        if self.router.use_z_loss:
+            loss = loss + self.z_loss_coef * routed.z_loss
+        self._losses.append(loss)
+        load = routed.load.clone()
+        self.last_load = load if self.last_load is None else self.last_load + load
+        self.last_dropped += routed.dropped
+
+    def reset(self) -> None:
+        """Forget recorded losses, load and drops (a model calls this as its forward starts)."""
+        self._losses, self.last_load, self.last_dropped = [], None, 0
+
+    def take_losses(self) -> list[Tensor]:
+        """The weighted aux losses recorded since the last call (and forget them)."""
+        losses, self._losses = self._losses, []
+        return losses
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden_size}, experts={self.num_experts}, ep={self.ep}"
+
+
+def moe_layers(model: nn.Module) -> list[MoeLayer]:
+    """Every MoeLayer inside ``model`` (engine wrappers included)."""
+    return [m for m in model.modules() if isinstance(m, MoeLayer)]
+
+
+def collect_aux_loss(model: nn.Module) -> Tensor:
+    """Sum of the weighted aux/z losses of every MoE layer since the last call; clears them.
+
+    Add it to the task loss before backward (a layer called several times, as in
+    WideNet, contributes once per call). 0 when the model has no MoE layer.
+    """
+    losses = [loss for layer in moe_layers(model) for loss in layer.take_losses()]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack([loss.float() for loss in losses]).sum()
+
+
+def clear_aux_loss(model: nn.Module) -> None:
+    """Reset every MoE layer's losses, load and drops; call it as a model's forward starts."""
+    for layer in moe_layers(model):
+        layer.reset()
+
+
+def expert_load(model: nn.Module) -> tuple[Tensor | None, int]:
+    """(tokens routed to each expert, dropped choices) of every MoE layer since the last reset."""
+    layers = [m for m in moe_layers(model) if m.last_load is not None]
+    if not layers:
+        return None, 0
+    load = torch.stack([m.last_load.float() for m in layers]).sum(0)
+    return load, sum(m.last_dropped for m in layers)

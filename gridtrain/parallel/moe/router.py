@@ -1,0 +1,198 @@
+"""Top-k routers (Switch Transformer top-1, GShard top-2): which tokens go to which expert slot.
+
+A router maps gate logits ``[tokens, experts]`` to a dispatch mask and combine
+weights ``[tokens, experts, capacity]``. Each expert takes at most ``capacity``
+tokens per forward,
+
+    capacity = max(ceil(k * capacity_factor * tokens / experts), min_capacity),
+
+with separate factors for training and evaluation. Tokens past an expert's
+capacity are dropped (their MoE output is zero, so the residual carries them)
+unless ``drop_tks=False``, which raises the capacity to the busiest expert's
+load instead. The routers also produce the load-balancing loss (Switch eq. 4,
+GShard's ``l_aux``) and, optionally, the router z-loss (ST-MoE eq. 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NOISY_POLICIES = (None, "Jitter", "Gaussian")
+
+
+@dataclass
+class RouterOutput:
+    """What a router hands the MoE layer for one forward."""
+
+    combine_weights: Tensor  # [tokens, experts, capacity], gate value at each kept slot
+    dispatch_mask: Tensor  # [tokens, experts, capacity], bool
+    aux_loss: Tensor  # load-balancing loss (unweighted)
+    z_loss: Tensor  # router z-loss (unweighted; 0 unless use_z_loss)
+    load: Tensor  # [experts] tokens routed to each expert (all k choices), before dropping
+    dropped: int  # token choices dropped for lack of capacity
+
+
+def capacity(
+    num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int
+) -> int:
+    """Slots per expert: ``max(ceil(k * capacity_factor * num_tokens / num_experts), min_capacity)``."""
+    return max(math.ceil(k * capacity_factor * num_tokens / num_experts), min_capacity)
+
+
+def load_balancing_loss(probs: Tensor, choice_mask: Tensor, k: int) -> Tensor:
+    """``E / k * sum_e mean_t(probs[:, e]) * mean_t(choice_mask[:, e])`` (1 when perfectly balanced).
+
+    ``choice_mask`` counts every one of a token's k choices, before dropping.
+    """
+    num_experts = probs.shape[-1]
+    return num_experts / k * torch.sum(probs.mean(0) * choice_mask.float().mean(0))
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE's z-loss: ``mean_t logsumexp(logits_t)^2`` (keeps gate logits small)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """Base of Top1Router/Top2Router: capacity, noise, losses. Holds no parameters.
+
+    Args:
+        k: experts per token.
+        capacity_factor_train / capacity_factor_eval: the factor in the capacity formula.
+        min_capacity: floor of the capacity.
+        noisy_policy: None, "Jitter" (router input times U(1 - eps, 1 + eps), Switch) or
+            "Gaussian" (logits plus N(0, 1/experts^2), GShard); training only.
+        drop_tks: drop tokens beyond capacity (True) or grow capacity to fit all (False).
+        use_z_loss: also compute the router z-loss.
+        jitter_eps: the Jitter noise's half width.
+    """
+
+    k = 1
+
+    def __init__(
+        self,
+        capacity_factor_train: float = 1.25,
+        capacity_factor_eval: float = 2.0,
+        min_capacity: int = 4,
+        noisy_policy: str | None = None,
+        drop_tks: bool = True,
+        use_z_loss: bool = False,
+        jitter_eps: float = 1e-2,
+    ):
+        super().__init__()
+        for name, value in (
+            ("capacity_factor_train", capacity_factor_train),
+            ("capacity_factor_eval", capacity_factor_eval),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not isinstance(min_capacity, int) or min_capacity < 1:
+            raise ValueError(f"min_capacity must be an int >= 1, got {min_capacity!r}")
+        if noisy_policy not in NOISY_POLICIES:
+            raise ValueError(f"noisy_policy must be one of {NOISY_POLICIES}, got {noisy_policy!r}")
+        self.capacity_factor_train = capacity_factor_train
+        self.capacity_factor_eval = capacity_factor_eval
+        self.min_capacity = min_capacity
+        self.noisy_policy = noisy_policy
+        self.drop_tks = drop_tks
+        self.use_z_loss = use_z_loss
+        self.jitter_eps = jitter_eps
+
+    def capacity(self, num_tokens: int, num_experts: int) -> int:
+        """Slots per expert under the current mode's factor (before any cross-rank agreement)."""
+        factor = self.capacity_factor_train if self.training else self.capacity_factor_eval
+        return capacity(num_tokens, num_experts, self.k, factor, self.min_capacity)
+
+    def noisy_input(self, x: Tensor) -> Tensor:
+        """Jitter noise on the router's input (training only)."""
+        if self.training and self.noisy_policy == "Jitter":
+            eps = self.jitter_eps
+            return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        return x
+
+    def noisy_logits(self, logits: Tensor) -> Tensor:
+        """Gaussian noise on the gate logits (training only)."""
+        if self.training and self.noisy_policy == "Gaussian":
+            return logits + torch.randn_like(logits) / logits.shape[-1]
+        return logits
+
+    def choose(self, logits: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """(probs, one-hot masks of the k choices, their gate values); subclasses define it."""
+        raise NotImplementedError
+
+    def forward(self, logits: Tensor, agree_capacity=None) -> RouterOutput:
+        """Route ``logits`` [tokens, experts].
+
+        ``agree_capacity(c) -> int`` makes every rank of an expert group use one
+        capacity (the all-to-all needs equal shapes); identity when None.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
+        num_tokens, num_experts = logits.shape
+        logits = self.noisy_logits(logits)
+        probs, masks, gates = self.choose(logits.float())
+        load = sum(m.sum(0) for m in masks)
+        aux = load_balancing_loss(probs, sum(masks), self.k)
+        z = router_z_loss(logits) if self.use_z_loss else logits.new_zeros((), dtype=torch.float32)
+
+        # slot of each choice inside its expert: top-1 choices first, then top-2 (GShard)
+        locations, offset = [], torch.zeros(num_experts, dtype=torch.long, device=logits.device)
+        for mask in masks:
+            loc = torch.cumsum(mask, dim=0) - 1 + offset
+            locations.append(loc)
+            offset = offset + mask.sum(0)
+        if self.drop_tks:
+            cap = self.capacity(num_tokens, num_experts)
+        else:  # room for the busiest expert's every token
+            cap = max(int(load.max().item()), 1)
+        cap = agree_capacity(cap) if agree_capacity is not None else cap
+
+        combine = logits.new_zeros(num_tokens, num_experts, cap, dtype=torch.float32)
+        dispatch = torch.zeros(num_tokens, num_experts, cap, dtype=torch.bool, device=logits.device)
+        dropped = 0
+        for mask, loc, gate in zip(masks, locations, gates, strict=True):
+            kept = mask * (loc < cap)
+            dropped += int((mask.sum() - kept.sum()).item())
+            slot = (loc * kept).sum(1)  # [tokens]: this choice's slot (0 where dropped)
+            slots = kept.unsqueeze(2) * F.one_hot(slot, cap).unsqueeze(1)  # [tokens, experts, cap]
+            dispatch = dispatch | slots.bool()
+            combine = combine + gate.view(-1, 1, 1) * slots
+        return RouterOutput(combine, dispatch, aux, z, load.detach(), dropped)
+
+
+class Top1Router(Router):
+    """Switch Transformer routing: each token to its most probable expert, scaled by that gate."""
+
+    k = 1
+
+    def choose(self, logits: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        probs = F.softmax(logits, dim=-1)
+        index = probs.argmax(dim=-1)
+        mask = F.one_hot(index, probs.shape[-1])
+        gate = probs.gather(1, index.unsqueeze(1)).squeeze(1)
+        return probs, [mask], [gate]
+
+
+class Top2Router(Router):
+    """GShard routing: the two most probable experts, gates renormalised to sum to 1."""
+
+    k = 2
+
+    def choose(self, logits: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        num_experts = logits.shape[-1]
+        if num_experts < 2:
+            raise ValueError(f"Top2Router needs at least 2 experts, got {num_experts}")
+        probs = F.softmax(logits, dim=-1)
+        index1 = probs.argmax(dim=-1)
+        mask1 = F.one_hot(index1, num_experts)
+        index2 = logits.masked_fill(mask1.bool(), float("-inf")).argmax(dim=-1)
+        mask2 = F.one_hot(index2, num_experts)
+        gate1 = probs.gather(1, index1.unsqueeze(1)).squeeze(1)
+        gate2 = probs.gather(1, index2.unsqueeze(1)).squeeze(1)
+        denom = (gate1 + gate2).clamp_min(torch.finfo(probs.dtype).eps)
+        return probs, [mask1, mask2], [gate1 / denom, gate2 / denom]
