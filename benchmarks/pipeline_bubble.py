@@ -90,12 +90,15 @@ def _run(rank: int, world: int, port: int, args, out):
             else:
                 layers = [SleepLayer(8, args.fwd_ms / 1000 / v) for _ in range(world * v)]
                 mb = 2
+            dim = layers[0].w.shape[0]
+            # a fixed activation shape skips the per-message shape header
+            ctx.config.parallel.pipeline.tensor_shape = (mb, dim) if args.fixed_shape else None
             model = nn.Sequential(*layers)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
             engine, *_ = gt.initialize(model, opt, nn.MSELoss(), ctx=ctx)
             engine.schedule.timing = True
             # the input needs a gradient too, so the first stage's backward costs what others' do
-            x = torch.randn(m * mb, layers[0].w.shape[0], device=ctx.device, requires_grad=True)
+            x = torch.randn(m * mb, dim, device=ctx.device, requires_grad=True)
             idle = []
             for step in range(args.steps + 1):
                 comm.all_reduce_(torch.zeros(1, device=ctx.device), ctx.group())  # align start
@@ -125,6 +128,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=4096, help="GPU: matmul size")
     parser.add_argument("--reps", type=int, default=8, help="GPU: matmuls per stage forward")
     parser.add_argument("--cpu", action="store_true", help="use gloo on CPU even with GPUs")
+    parser.add_argument(
+        "--fixed-shape", action="store_true", help="set parallel.pipeline.tensor_shape"
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     spawn = mp.get_context("spawn")
@@ -140,7 +146,8 @@ def main() -> None:
         rows += got
         for proc in procs:
             proc.join()
-    print(f"pipeline bubble on {device}: idle fraction per stage (measured) vs theory")
+    shapes = "fixed tensor_shape" if args.fixed_shape else "shape exchange"
+    print(f"pipeline bubble on {device} ({shapes}): idle fraction per stage, measured vs theory")
     print(f"{'p':>3} {'m':>4} {'v':>3} {'schedule':<12} {'theory':>7} {'mean':>7}  per stage")
     for p, m, v, per_stage in rows:
         name = "1F1B" if v == 1 else "interleaved"
