@@ -163,7 +163,7 @@ def _split_and_metrics(ctx):
     labels[:, 0] = -100 if r == 0 else 2
     correct, total = sequence.accuracy(logits, labels, ctx)
     try:
-        sequence.split_batch(torch.zeros(2, 6), ctx)
+        sequence.split_batch(torch.zeros(2, 7), ctx)
         err = None
     except ValueError as e:
         err = str(e)
