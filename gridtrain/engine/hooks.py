@@ -151,6 +151,11 @@ class LRSchedulerHook(BaseHook):
         return {"lr": self._lr()}
 
 
+def _lr_scheduler(trainer: Trainer) -> Any:
+    """The scheduler to checkpoint: an LRSchedulerHook's, else the one the engine steps."""
+    return trainer.states.get("lr_scheduler") or getattr(trainer.engine, "lr_scheduler", None)
+
+
 def checkpoint_path(checkpoint_dir: str | Path, epoch: int, suffix: str = "") -> Path:
     """Where ``SaveCheckpointHook`` writes the checkpoint taken after ``epoch`` epochs."""
     return Path(checkpoint_dir) / f"epoch_{epoch}{suffix}.pt"
@@ -202,7 +207,7 @@ class SaveCheckpointHook(BaseHook):
             trainer.cur_epoch,
             engine.model,
             engine.optimizer,
-            trainer.states.get("lr_scheduler"),
+            _lr_scheduler(trainer),
         )
         self.saved.append(path)
         if trainer.ctx.global_rank == 0:
@@ -262,7 +267,7 @@ class LoadCheckpointHook(BaseHook):
             load_checkpoint(path, engine.model)
             return
         self.loaded_epoch = load_checkpoint(
-            path, engine.model, engine.optimizer, trainer.states.get("lr_scheduler")
+            path, engine.model, engine.optimizer, _lr_scheduler(trainer)
         )
         trainer.cur_epoch = self.loaded_epoch
         trainer.cur_step = self.loaded_epoch * trainer.steps_per_epoch
