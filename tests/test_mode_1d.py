@@ -16,6 +16,7 @@ from torch import nn
 
 import gridtrain as gt
 import gridtrain.nn as gnn
+from gridtrain.parallel.pipeline.partition import _materialise
 from gridtrain.parallel.sharding import (
     full_state_dict,
     full_tensor,
@@ -357,8 +358,19 @@ def _train_1d(ctx, states, batches):
                 }
 
             losses, grads = _train(model, batches, full_grads)
-            out.append((kinds, init, losses, grads, full_state_dict(model)))
+            out.append((kinds, init, losses, grads, full_state_dict(model), _lazy_init(ctx, vp)))
     return out
+
+
+def _lazy_init(ctx, vp: bool) -> dict[str, torch.Tensor]:
+    """Built under ``gt.lazy_init`` (meta), then allocated and reset as a pipeline stage is."""
+    m1d.reset_alternation(ctx)
+    with gt.lazy_init():
+        model = TinyTransformer(vp)
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    _materialise([model], ctx.device)
+    return full_state_dict(model)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -375,7 +387,7 @@ def test_transformer_block_equals_dense_after_adamw(tp):
     states = [r[0] for r in dense_runs]
     results = run_distributed(_train_1d, tp, states, batches, config=_cfg(tp), timeout=300)
     for rank, runs in enumerate(results):
-        for (vp, dtype), (kinds, init, losses, grads, final), (
+        for (vp, dtype), (kinds, init, losses, grads, final, lazy), (
             state,
             d_losses,
             d_grads,
@@ -386,6 +398,8 @@ def test_transformer_block_equals_dense_after_adamw(tp):
             assert init.keys() == state.keys()
             for k, v in state.items():
                 assert torch.equal(init[k], v), (tag, k)  # same seed: same dense draw, cut
+                # lazy_init: reset_parameters redraws the dense init in construction order
+                assert torch.equal(lazy[k], v), (tag, "lazy", k)
             if dtype == torch.float64:
                 # float64: split matmuls and all-reduces reorder sums, measured <= 5e-16 on
                 # gradients and 1.4e-16 relative on losses

@@ -30,10 +30,11 @@ from gridtrain.parallel.tensor.mode_1d_linear import (
     Linear,
     Linear1DCol,
     Linear1DRow,
+    ShardedFromDense,
+    default_device,
     divide,
     in_sharded_region,
     reset_alternation,
-    shard_param,
     shared_input,
     tp,
 )
@@ -75,21 +76,25 @@ __all__ = [
 ]
 
 
-def _dense_embedding(
-    num: int, dim: int, padding_idx: int | None, dtype
-) -> tuple[Tensor, int | None]:
-    """nn.Embedding's init (N(0, 1), padding row zeroed) and its normalised padding_idx."""
-    if padding_idx is not None:
-        if not -num <= padding_idx < num:
-            raise ValueError(f"padding_idx must be in [-{num}, {num}), got {padding_idx}")
-        padding_idx %= num
-    weight = torch.empty(num, dim, dtype=dtype).normal_()
-    if padding_idx is not None:
-        weight[padding_idx] = 0
-    return weight, padding_idx
+def _padding_idx(padding_idx: int | None, num: int) -> int | None:
+    """nn.Embedding's normalised padding_idx."""
+    if padding_idx is None:
+        return None
+    if not -num <= padding_idx < num:
+        raise ValueError(f"padding_idx must be in [-{num}, {num}), got {padding_idx}")
+    return padding_idx % num
 
 
-class Embedding1D(nn.Module):
+class _Embedding(ShardedFromDense):
+    def _dense_init(self) -> dict[str, Tensor]:
+        """nn.Embedding's init: N(0, 1), padding row zeroed."""
+        weight = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self._dtype).normal_()
+        if self.padding_idx is not None:
+            weight[self.padding_idx] = 0
+        return {"weight": weight}
+
+
+class Embedding1D(_Embedding):
     """Embedding with the hidden dim split: weight ``[num, dim/n]``; output all-gathered
     ``[..., dim]`` (replicated)."""
 
@@ -104,21 +109,19 @@ class Embedding1D(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        ctx, n, rank = tp(ctx)
+        ctx, n, _ = tp(ctx)
         divide(embedding_dim, n, "embedding_dim")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        weight, self.padding_idx = _dense_embedding(
-            num_embeddings, embedding_dim, padding_idx, dtype
-        )
-        self.weight = shard_param(weight, 1, n, rank, device or ctx.device)
-        self._ctx = CtxRef(ctx)
+        self.padding_idx, self._dtype = _padding_idx(padding_idx, num_embeddings), dtype
+        self._splits = {"weight": 1}
+        self._install(ctx, device)
 
     def forward(self, ids: Tensor) -> Tensor:
         y = F.embedding(ids, self.weight, self.padding_idx)
         return comm.gather_from_group(y, -1, self._ctx.ctx.group(PM1D))
 
 
-class VocabParallelEmbedding1D(nn.Module):
+class VocabParallelEmbedding1D(_Embedding):
     """Embedding with the vocabulary split: weight ``[num/n, dim]``; each rank looks up the
     ids it owns (others read zero) and the partial rows are all-reduced (replicated output).
 
@@ -140,16 +143,14 @@ class VocabParallelEmbedding1D(nn.Module):
         ctx, n, rank = tp(ctx)
         local = divide(num_embeddings, n, "num_embeddings")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        weight, self.padding_idx = _dense_embedding(
-            num_embeddings, embedding_dim, padding_idx, dtype
-        )
+        self.padding_idx, self._dtype = _padding_idx(padding_idx, num_embeddings), dtype
         self.start, self.end = rank * local, (rank + 1) * local
         pad = self.padding_idx
         self.local_padding_idx = (
             pad - self.start if pad is not None and self.start <= pad < self.end else None
         )
-        self.weight = shard_param(weight, 0, n, rank, device or ctx.device)
-        self._ctx = CtxRef(ctx)
+        self._splits = {"weight": 0}
+        self._install(ctx, device)
 
     def forward(self, ids: Tensor) -> Tensor:
         foreign = (ids < self.start) | (ids >= self.end)
@@ -159,25 +160,42 @@ class VocabParallelEmbedding1D(nn.Module):
         return comm.reduce_from_group(y, self._ctx.ctx.group(PM1D))
 
 
-def _classifier_weight(
-    weight: nn.Parameter | None, want_shape: tuple[int, int], dim: int, name: str, twin: str
-) -> nn.Parameter:
-    if tuple(weight.shape) != want_shape or get_shard_spec(weight) != ((dim, PM1D),):
-        raise ValueError(
-            f"tied {name} weight must be this rank's shard {want_shape} split on dim {dim} over "
-            f"PARALLEL_1D (a {twin}'s weight), got shape {tuple(weight.shape)} with splits "
-            f"{[(d, m.name) for d, m in get_shard_spec(weight)]}"
-        )
-    return weight
+class _Classifier(ShardedFromDense):
+    """dense.Classifier's parameters: weight drawn unless tied, zero bias."""
+
+    def _setup(
+        self, in_features, num_classes, weight, bias, dtype, weight_dim, local_shape, ctx, device
+    ):
+        self.in_features, self.num_classes = in_features, num_classes
+        self._has_bias, self._dtype, self._tied = bias, dtype, weight is not None
+        self._splits = {"weight": weight_dim, "bias": None if weight_dim == 1 else 0}
+        if weight is not None:
+            if tuple(weight.shape) != local_shape or get_shard_spec(weight) != (
+                (weight_dim, PM1D),
+            ):
+                twin = "Embedding" if weight_dim == 1 else "VocabParallelEmbedding"
+                raise ValueError(
+                    f"tied {type(self).__name__} weight must be this rank's shard {local_shape} "
+                    f"split on dim {weight_dim} over PARALLEL_1D (a {twin}'s weight), got shape "
+                    f"{tuple(weight.shape)} with splits "
+                    f"{[(d, m.name) for d, m in get_shard_spec(weight)]}"
+                )
+            self.weight = weight
+        self._install(ctx, device)
+        if not bias:
+            self.register_parameter("bias", None)
+
+    def _dense_init(self) -> dict[str, Tensor]:
+        out = {}
+        if not self._tied:  # a tied weight belongs to (and is reset by) its embedding
+            out["weight"] = torch.empty(self.num_classes, self.in_features, dtype=self._dtype)
+            nn.init.kaiming_uniform_(out["weight"], a=math.sqrt(5))
+        if self._has_bias:
+            out["bias"] = torch.zeros(self.num_classes, dtype=self._dtype)
+        return out
 
 
-def _dense_classifier_weight(num_classes: int, in_features: int, dtype) -> Tensor:
-    weight = torch.empty(num_classes, in_features, dtype=dtype)
-    nn.init.kaiming_uniform_(weight, a=5**0.5)
-    return weight
-
-
-class Classifier1D(nn.Module):
+class Classifier1D(_Classifier):
     """Classifier with the input features split: weight ``[classes, in/n]`` (ties to an
     ``Embedding``'s weight), bias replicated; replicated input, full (gathered) logits."""
 
@@ -193,21 +211,11 @@ class Classifier1D(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        ctx, n, rank = tp(ctx)
+        ctx, n, _ = tp(ctx)
         local_in = divide(in_features, n, "in_features")
-        device = device or ctx.device
-        if weight is None:
-            full = _dense_classifier_weight(num_classes, in_features, dtype)
-            weight = shard_param(full, 1, n, rank, device)
-        else:
-            weight = _classifier_weight(
-                weight, (num_classes, local_in), 1, "Classifier", "Embedding"
-            )
-        self.weight = weight
-        self.bias = (
-            nn.Parameter(torch.zeros(num_classes, dtype=dtype, device=device)) if bias else None
+        self._setup(
+            in_features, num_classes, weight, bias, dtype, 1, (num_classes, local_in), ctx, device
         )
-        self._ctx = CtxRef(ctx)
 
     def forward(self, x: Tensor) -> Tensor:
         group = self._ctx.ctx.group(PM1D)
@@ -215,7 +223,7 @@ class Classifier1D(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelClassifier1D(nn.Module):
+class VocabParallelClassifier1D(_Classifier):
     """Classifier with the classes split: weight ``[classes/n, in]`` (ties to a
     ``VocabParallelEmbedding``'s weight), bias ``[classes/n]``; replicated input, logits
     sharded over the classes as ``VocabShardedLogits`` (``CrossEntropyLoss`` knows them)."""
@@ -232,27 +240,18 @@ class VocabParallelClassifier1D(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        ctx, n, rank = tp(ctx)
+        ctx, n, _ = tp(ctx)
         local = divide(num_classes, n, "num_classes")
-        device = device or ctx.device
-        if weight is None:
-            full = _dense_classifier_weight(num_classes, in_features, dtype)
-            weight = shard_param(full, 0, n, rank, device)
-        else:
-            weight = _classifier_weight(
-                weight, (local, in_features), 0, "VocabParallelClassifier", "VocabParallelEmbedding"
-            )
-        self.weight = weight
-        bias_full = torch.zeros(num_classes, dtype=dtype)
-        self.bias = shard_param(bias_full, 0, n, rank, device) if bias else None
-        self._ctx = CtxRef(ctx)
+        self._setup(
+            in_features, num_classes, weight, bias, dtype, 0, (local, in_features), ctx, device
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         x = comm.copy_to_group(x, self._ctx.ctx.group(PM1D))
         return mark_vocab_sharded(F.linear(x, self.weight, self.bias))
 
 
-class PatchEmbedding1D(nn.Module):
+class PatchEmbedding1D(ShardedFromDense):
     """ViT stem with the embedding dim split (conv weight/bias, class token and position
     embeddings ``[..., embed/n]``); output all-gathered ``[B, 1 + patches, embed]``."""
 
@@ -268,23 +267,28 @@ class PatchEmbedding1D(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        ctx, n, rank = tp(ctx)
+        ctx, n, _ = tp(ctx)
         divide(embed_size, n, "embed_size")
         if img_size % patch_size:
             raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
-        self.patch_size = patch_size
-        num_patches = (img_size // patch_size) ** 2
-        # dense.PatchEmbedding's draws, in its order
-        weight = torch.empty(embed_size, in_chans, patch_size, patch_size, dtype=dtype)
-        pos_embed = torch.zeros(1, 1 + num_patches, embed_size, dtype=dtype)
+        self.patch_size, self.in_chans, self.embed_size = patch_size, in_chans, embed_size
+        self.num_patches, self._dtype = (img_size // patch_size) ** 2, dtype
+        self._splits = {"weight": 0, "bias": 0, "cls_token": 2, "pos_embed": 2}
+        self._install(ctx, device)
+
+    def _dense_init(self) -> dict[str, Tensor]:
+        """dense.PatchEmbedding's draws, in its order."""
+        e, p, dt = self.embed_size, self.patch_size, self._dtype
+        weight = torch.empty(e, self.in_chans, p, p, dtype=dt)
+        pos_embed = torch.zeros(1, 1 + self.num_patches, e, dtype=dt)
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         nn.init.trunc_normal_(pos_embed, std=0.02)
-        device = device or ctx.device
-        self.weight = shard_param(weight, 0, n, rank, device)
-        self.bias = shard_param(torch.zeros(embed_size, dtype=dtype), 0, n, rank, device)
-        self.cls_token = shard_param(torch.zeros(1, 1, embed_size, dtype=dtype), 2, n, rank, device)
-        self.pos_embed = shard_param(pos_embed, 2, n, rank, device)
-        self._ctx = CtxRef(ctx)
+        return {
+            "weight": weight,
+            "bias": torch.zeros(e, dtype=dt),
+            "cls_token": torch.zeros(1, 1, e, dtype=dt),
+            "pos_embed": pos_embed,
+        }
 
     def forward(self, x: Tensor) -> Tensor:
         group = self._ctx.ctx.group(PM1D)
@@ -309,9 +313,8 @@ class LayerNorm(nn.LayerNorm):
         ctx: ParallelContext | None = None,
     ):
         ctx, _, _ = tp(ctx)
-        super().__init__(
-            normalized_shape, eps, elementwise_affine, bias, device or ctx.device, dtype
-        )
+        device = default_device(device, ctx)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
 
 class Dropout1D(nn.Module):

@@ -73,10 +73,49 @@ def shard_param(
     """This rank's chunk of the dense tensor ``full`` along ``dim`` (None: replicated), tagged
     with its shard spec so full state dicts rebuild the dense tensor."""
     part = full if dim is None else full.chunk(n, dim=dim)[rank]
-    p = nn.Parameter(part.to(device).clone(memory_format=torch.contiguous_format))
+    if not part.is_meta:  # under gt.lazy_init the shard stays meta until materialised
+        part = part.to(device)
+    p = nn.Parameter(part.clone(memory_format=torch.contiguous_format))
     if dim is not None:
         set_shard_spec(p, (dim, PM1D))
     return p
+
+
+def default_device(device: torch.device | None, ctx: ParallelContext) -> torch.device | None:
+    """``device``, else the context's device, except under ``gt.lazy_init`` (meta)."""
+    if device is not None:
+        return device
+    return None if torch.empty(0).is_meta else ctx.device  # a `with torch.device("meta")` is on
+
+
+class ShardedFromDense(nn.Module):
+    """Base of the 1d layers: each parameter is this rank's cut of a dense draw.
+
+    A subclass sets ``self._splits`` (parameter name -> split dim, None = replicated),
+    implements ``_dense_init()`` (the dense twin's tensors, drawn in its order) and calls
+    ``_install``. ``reset_parameters`` redraws and re-cuts, so a model built under
+    ``gt.lazy_init`` materialises the same weights as the dense model.
+    """
+
+    _splits: dict[str, int | None]
+
+    def _dense_init(self) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _install(self, ctx: ParallelContext, device: torch.device | None) -> None:
+        self._ctx = CtxRef(ctx)
+        _, n, rank = tp(ctx)
+        device = default_device(device, ctx)
+        for name, full in self._dense_init().items():
+            setattr(self, name, shard_param(full, self._splits[name], n, rank, device))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The dense layer's init (same draws from the default generator), this rank's cut."""
+        _, n, rank = tp(self._ctx.ctx)
+        for name, full in self._dense_init().items():
+            dim = self._splits[name]
+            getattr(self, name).copy_(full if dim is None else full.chunk(n, dim=dim)[rank])
 
 
 def dense_linear_init(
@@ -103,7 +142,7 @@ def check_width(layer: nn.Module, x: Tensor, want: int, what: str) -> None:
         )
 
 
-class Linear1DCol(nn.Module):
+class Linear1DCol(ShardedFromDense):
     """Column-parallel Linear: weight ``[out/n, in]``, bias ``[out/n]``; input replicated.
 
     ``gather_output=False`` (default) leaves the output sharded ``[..., out/n]`` for a
@@ -122,15 +161,19 @@ class Linear1DCol(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        ctx, n, rank = tp(ctx)
+        ctx, n, _ = tp(ctx)
         divide(out_features, n, "out_features")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
-        self._ctx = CtxRef(ctx)
-        weight, b = dense_linear_init(in_features, out_features, bias, dtype)
-        device = device or ctx.device
-        self.weight = shard_param(weight, 0, n, rank, device)
-        self.bias = shard_param(b, 0, n, rank, device) if bias else None
+        self._has_bias, self._dtype = bias, dtype
+        self._splits = {"weight": 0, "bias": 0}
+        self._install(ctx, device)
+        if not bias:
+            self.register_parameter("bias", None)
+
+    def _dense_init(self) -> dict[str, Tensor]:
+        w, b = dense_linear_init(self.in_features, self.out_features, self._has_bias, self._dtype)
+        return {"weight": w} if b is None else {"weight": w, "bias": b}
 
     def forward(self, x: Tensor) -> Tensor:
         check_width(self, x, self.in_features, "a replicated input")
@@ -146,7 +189,7 @@ class Linear1DCol(nn.Module):
         )
 
 
-class Linear1DRow(nn.Module):
+class Linear1DRow(ShardedFromDense):
     """Row-parallel Linear: weight ``[out, in/n]``, bias ``[out]`` replicated; output replicated.
 
     ``parallel_input=True`` (default) takes a sharded input ``[..., in/n]`` (a column
@@ -165,15 +208,17 @@ class Linear1DRow(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        ctx, n, rank = tp(ctx)
+        ctx, n, _ = tp(ctx)
         self.local_in = divide(in_features, n, "in_features")
         self.in_features, self.out_features = in_features, out_features
         self.parallel_input = parallel_input
-        self._ctx = CtxRef(ctx)
-        weight, b = dense_linear_init(in_features, out_features, bias, dtype)
-        device = device or ctx.device
-        self.weight = shard_param(weight, 1, n, rank, device)
-        self.bias = shard_param(b, None, n, rank, device) if bias else None
+        self._has_bias, self._dtype = bias, dtype
+        self._splits = {"weight": 1, "bias": None}
+        self._install(ctx, device)
+        if not bias:
+            self.register_parameter("bias", None)
+
+    _dense_init = Linear1DCol._dense_init
 
     def forward(self, x: Tensor) -> Tensor:
         group = self._ctx.ctx.group(PM1D)
