@@ -3,6 +3,7 @@
 # Usage: demos/resnet/measure_cpu.sh [extra train.py args], from the repository root.
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
+export OMP_NUM_THREADS=1  # one thread per process: oversubscribed threads crawl on shared cores
 ARGS=(--synthetic --train_size 500 --test_size 250 --epochs 2 -i 0 --no_progress "$@")
 run() {  # name, nproc, config
   echo "== $1"
