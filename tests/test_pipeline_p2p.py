@@ -41,7 +41,7 @@ def _exchange(ctx):
 
 
 def test_shape_and_dtype_exchange_and_gradients():
-    s0, s1, s2 = run_distributed(_exchange, 3, config=dict(parallel=dict(pipeline=3)))
+    s0, s1, s2 = run_distributed(_exchange, 3, config=dict(parallel=dict(pipeline=3)), timeout=300)
     shape, dtype, value, needs_grad = s1["recv"]
     assert (shape, dtype, needs_grad) == (torch.Size([2, 5]), torch.float32, True)
     assert torch.equal(value, torch.arange(10.0).reshape(2, 5) * 2)
@@ -73,7 +73,10 @@ def _fixed_shape(ctx):
 
 def test_fixed_tensor_shape_skips_the_header_and_casts():
     (g_dtype, g), (x_dtype, x) = run_distributed(
-        _fixed_shape, 2, config=dict(parallel=dict(pipeline=dict(size=2, tensor_shape=(2, 3))))
+        _fixed_shape,
+        2,
+        config=dict(parallel=dict(pipeline=dict(size=2, tensor_shape=(2, 3)))),
+        timeout=300,
     )
     assert x_dtype == torch.float32 and torch.equal(x, torch.full((2, 3), 5.0))
     assert g_dtype == torch.bfloat16, "the gradient comes back in the activation's dtype"
