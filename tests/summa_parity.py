@@ -226,6 +226,41 @@ def lazy_init_matches_dense(ctx):
     return max(_err(v, ref.state_dict()[k]) for k, v in full_state_dict(model).items())
 
 
+class _FlatLoss(nn.Module):
+    def __init__(self, L):
+        super().__init__()
+        self.ce = L.CrossEntropyLoss()
+
+    def forward(self, logits, labels):
+        return self.ce(logits.flatten(0, -2), labels.flatten())
+
+
+def engine_parity(ctx, steps: int = 3):
+    """``gt.initialize`` on the mode's model (the engine splits batches and labels itself):
+    per-step (loss, dense loss) and the final weights' max error vs dense AdamW training."""
+    torch.manual_seed(0)
+    model = TinyLM(gnn, vocab_parallel=True)
+    torch.manual_seed(0)
+    ref = TinyLM(dense, vocab_parallel=True)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = gt.initialize(model, opt, _FlatLoss(gnn))
+    engine.train()
+    losses = []
+    for ids, labels in _batches(steps):
+        loss_ref = _FlatLoss(dense)(ref(ids), labels)
+        opt_ref.zero_grad()
+        loss_ref.backward()
+        opt_ref.step()
+        engine.zero_grad()
+        loss = engine.criterion(engine(ids), labels)
+        engine.backward(loss)
+        engine.step()
+        losses.append((loss.item(), loss_ref.item()))
+    final = full_state_dict(engine.model)
+    return losses, max(_err(v, ref.state_dict()[k]) for k, v in final.items())
+
+
 # ---- cross-mode checkpoint ----------------------------------------------------------------
 def probe_loss(model, ctx=None):
     """Loss of ``model`` on a fixed batch (split for the mode when ``ctx`` is given)."""

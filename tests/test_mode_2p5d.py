@@ -71,3 +71,10 @@ def test_checkpoint_2d_to_dense_to_2p5d(tmp_path):
 def test_lazy_init_then_reset_gives_the_dense_init():
     errs = run_distributed(sp.lazy_init_matches_dense, 8, config=LAYOUTS[1][1])
     assert max(errs) == 0.0  # reset_parameters redraws each dense twin: bit-equal shards
+
+
+def test_engine_splits_and_trains_like_dense_at_depth2():
+    for losses, weight_err in run_distributed(sp.engine_parity, 8, config=LAYOUTS[1][1]):
+        for loss, loss_ref in losses:
+            assert abs(loss - loss_ref) < 1e-5, (loss, loss_ref)  # fp32, a few ulps of ~7
+        assert weight_err < 1e-5, weight_err  # as in test_tiny_lm_trains_like_dense
