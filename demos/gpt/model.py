@@ -20,6 +20,8 @@ by head* (rows ``[head, (q, k, v), head_dim]``, unlike Hugging Face's
 whole number of heads with their own q, k and v. Attention derives its local
 head count from the local qkv width, so the same code runs unsharded, under 1d
 and under the 2d/2.5d/3d layouts whose Linears split the hidden dimension.
+Under 'sequence' each rank holds a block of positions: attention becomes ring
+attention, positions start at the block's offset and the loss takes ``[B, V, S]``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import gridtrain as gt
 import gridtrain.nn as gnn
 from gridtrain.parallel.context import get_context, has_context, set_context
 from gridtrain.parallel.sharding import full_state_dict, get_shard_spec, shard_tensor
+from gridtrain.parallel.tensor import sequence
+from gridtrain.parallel.tensor.sequence import ring_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +102,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = gnn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = gnn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = gnn.Dropout(cfg.dropout)
+        self.ring = _tensor_mode() == "sequence"  # decided at build time, as the layers are
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)  # [B, S, 3 * local heads * head_dim], head-major
@@ -105,10 +110,17 @@ class CausalSelfAttention(nn.Module):
         heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         p = self.dropout if self.training else 0.0
-        with _tensor_rng(p):
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.ring:  # this rank holds a block of positions: ring attention
+            y = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), True, dropout_p=p)
+        else:
+            with _tensor_rng(p):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, heads * self.head_dim)
         return self.resid_drop(self.proj(y))
+
+
+def _tensor_mode() -> str | None:
+    return gt.get_context().tensor_mode if has_context() else None
 
 
 def _tensor_rng(p: float):
@@ -153,14 +165,20 @@ class Embed(nn.Module):
         self.tok = gnn.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
         self.pos = gnn.VocabParallelEmbedding(cfg.block_size, cfg.n_embd)
         self.drop = gnn.Dropout(cfg.dropout)
+        self.sequence_blocks = _tensor_mode() == "sequence"
 
     def forward(self, idx: Tensor) -> Tensor:
         if idx.shape[-1] > self.block_size:
             raise ValueError(
                 f"sequence length {idx.shape[-1]} exceeds block_size {self.block_size}"
             )
-        # positions take the token tensor's shape, so any batch split applies to both alike
-        pos = torch.arange(idx.shape[-1], device=idx.device).expand_as(idx)
+        # positions take the token tensor's shape, so any batch split applies to both alike;
+        # under 'sequence' this rank's tokens start at its block's offset
+        if self.sequence_blocks:
+            pos = sequence.position_ids(idx.shape[-1], idx.device)
+        else:
+            pos = torch.arange(idx.shape[-1], device=idx.device)
+        pos = pos.expand_as(idx)
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -197,14 +215,25 @@ class GPT(nn.Sequential):
 
 
 class GPTLoss(nn.Module):
-    """Next-token cross entropy: flattens ``[B, S, V]`` logits for ``gt.nn.CrossEntropyLoss``."""
+    """Next-token cross entropy of ``[B, S, V]`` logits and ``[B, S]`` targets.
+
+    The tensor-parallel losses take classes on the last dim (and recognise their
+    sharded logits by tags a reshape would lose); torch's own wants ``[N, V]``;
+    the sequence-parallel one ``[B, V, S_local]`` (its mean covers the whole sequence).
+    """
 
     def __init__(self):
         super().__init__()
         self.ce = gnn.CrossEntropyLoss()
+        self.flatten = type(self.ce) is nn.CrossEntropyLoss
+        self.class_dim_1 = _tensor_mode() == "sequence"  # [B, V, S_local] with its token labels
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return self.ce(logits.flatten(0, -2), targets.flatten())
+        if self.flatten:
+            return self.ce(logits.flatten(0, -2), targets.flatten())
+        if self.class_dim_1:
+            return self.ce(logits.transpose(1, 2), targets)
+        return self.ce(logits, targets)
 
 
 def _init_std(key: str, cfg: GPTConfig) -> float | None:
