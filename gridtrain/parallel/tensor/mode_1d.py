@@ -175,7 +175,7 @@ class _Classifier(ShardedFromDense):
             ):
                 twin = "Embedding" if weight_dim == 1 else "VocabParallelEmbedding"
                 raise ValueError(
-                    f"tied {type(self).__name__} weight must be this rank's shard {local_shape} "
+                    f"tied {type(self).__name__.removesuffix('1D')} weight must be this rank's shard {local_shape} "
                     f"split on dim {weight_dim} over PARALLEL_1D (a {twin}'s weight), got shape "
                     f"{tuple(weight.shape)} with splits "
                     f"{[(d, m.name) for d, m in get_shard_spec(weight)]}"
