@@ -10,7 +10,6 @@ rebuilt into the dense tensor), losses, and weights after 3 SGD steps through
 ``gt.initialize``; then fp16/bf16 and checkpoints across expert-parallel sizes.
 """
 
-import copy
 import sys
 from pathlib import Path
 
@@ -171,11 +170,11 @@ def test_expert_parallel_equals_one_process(name):
     print(f"\n{name}: max abs errors {errors}")
 
 
-def _grad_scale_probe(ctx):
+def _grad_scale_probe(ctx, state):
     """Gradient of one expert weight right after backward, before any data-parallel sync."""
     torch.manual_seed(5)
     model = WideNet(CFG)
-    gt.load_full_state_dict(model, _dense_state())
+    gt.load_full_state_dict(model, state)
     x, y = _batches(1)[0]
     d, dr = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
     MoeCriterion(model)(model(x.chunk(d)[dr]), y.chunk(d)[dr]).backward()
@@ -188,7 +187,11 @@ def test_expert_gradient_before_sync_is_one_over_ep_of_its_group_sum():
     the local expert gradient must already be the mean over the two ranks' losses."""
     (ref_steps, _) = _ref(2)
     results = run_distributed(
-        _grad_scale_probe, 2, config=dict(moe=dict(expert_parallel_size=2)), timeout=300
+        _grad_scale_probe,
+        2,
+        _dense_state(),
+        config=dict(moe=dict(expert_parallel_size=2)),
+        timeout=300,
     )
     for g in results:
         torch.testing.assert_close(g, ref_steps[0][2]["moe.experts.w1"], rtol=0, atol=1e-6)
@@ -207,9 +210,8 @@ def test_indivisible_experts_error_before_any_collective():
     assert "num_experts 3 is not divisible by moe.expert_parallel_size 2" in messages[0]
 
 
-def _train_amp(ctx, state, batches, mode):
-    config = copy.deepcopy(ctx.config)  # noqa: F841 - the mode comes from the launch config
-    steps, _ = _train(ctx, state, batches)
+def _train_amp(ctx, state, batches):
+    steps, _ = _train(ctx, state, batches)  # the precision comes from the launch config
     return [s[3] for s in steps]
 
 
@@ -217,9 +219,7 @@ def _train_amp(ctx, state, batches, mode):
 def test_mixed_precision_losses_follow_fp32(mode):
     ref_steps, _ = _ref(2)
     config = dict(moe=dict(expert_parallel_size=2), fp16=dict(mode=mode, initial_scale=2**8))
-    results = run_distributed(
-        _train_amp, 2, _dense_state(), _batches(), mode, config=config, timeout=300
-    )
+    results = run_distributed(_train_amp, 2, _dense_state(), _batches(), config=config, timeout=300)
     for rank, losses in enumerate(results):
         ref = [s[3][rank].item() for s in ref_steps]
         # fp16 keeps ~3 significant digits, bf16 ~2; over 3 steps the loss (~2.4) stays within

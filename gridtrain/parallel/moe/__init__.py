@@ -12,6 +12,7 @@ from gridtrain.parallel.moe.layer import (
     collect_aux_loss,
     expert_load,
     moe_layers,
+    pending_aux_loss,
 )
 from gridtrain.parallel.moe.router import (
     Router,
@@ -39,6 +40,7 @@ __all__ = [
     "expert_load",
     "load_balancing_loss",
     "moe_layers",
+    "pending_aux_loss",
     "router_z_loss",
     "scale_grad",
 ]

@@ -160,6 +160,12 @@ def collect_aux_loss(model: nn.Module) -> Tensor:
     return torch.stack([loss.float() for loss in losses]).sum()
 
 
+def pending_aux_loss(model: nn.Module) -> Tensor:
+    """The detached sum ``collect_aux_loss`` would return now, without clearing (for logging)."""
+    losses = [loss.detach().float() for layer in moe_layers(model) for loss in layer._losses]
+    return torch.stack(losses).sum() if losses else torch.zeros(())
+
+
 def clear_aux_loss(model: nn.Module) -> None:
     """Reset every MoE layer's losses, load and drops; call it as a model's forward starts."""
     for layer in moe_layers(model):
