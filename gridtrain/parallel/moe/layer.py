@@ -4,10 +4,10 @@ Per forward, with ``E`` experts, ``ep`` ranks per expert group and capacity ``C`
 
     logits = gate(x)                        [T, E]
     dispatch, combine = router(logits)      [T, E, C]
-    expert_in = dispatch^T x                [E, C, d] -> all-to-all over EXPERT ->
+    expert_in = dispatch^T x                [E, C, d] (a gather) -> all-to-all over EXPERT ->
                                             [ep sources, E/ep local experts, C, d]
     expert_out = experts(expert_in)         (each local expert sees ep * C slots)
-    all-to-all back -> [E, C, d];  y = combine . expert_out   [T, d]
+    all-to-all back -> [E, C, d];  y = combine . expert_out   [T, d] (a scatter-add)
 
 The layer keeps each forward's weighted auxiliary loss (load balancing plus
 z-loss) until ``collect_aux_loss(model)`` takes them, and the expert load and
@@ -104,12 +104,15 @@ class MoeLayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         routed = self.route(tokens)
         self._record(routed)
-        dispatch = routed.dispatch_mask.to(x.dtype)
-        combine = routed.combine_weights.to(x.dtype)
-        cap = dispatch.shape[-1]
+        cap = routed.dispatch_mask.shape[-1]
         ep, local = self.ep, self.num_experts // self.ep
+        # sparse dispatch: gather each kept (token, expert, slot) instead of multiplying by the
+        # [T, E, C] mask, whose einsum costs T * E * C * d (quadratic in tokens)
+        token, expert, slot = routed.dispatch_mask.nonzero(as_tuple=True)
+        flat = expert * cap + slot
+        expert_in = tokens.new_zeros(self.num_experts * cap, self.hidden_size)
+        expert_in = expert_in.index_add(0, flat, tokens[token])
 
-        expert_in = torch.einsum("tec,td->ecd", dispatch, tokens)
         expert_in = expert_in.reshape(ep, local, cap, self.hidden_size)
         if ep > 1:  # chunk j (experts of rank j) to rank j; stack what arrives by source
             expert_in = comm.all_to_all(expert_in, 0, 0, self._group())
@@ -118,8 +121,10 @@ class MoeLayer(nn.Module):
         expert_out = expert_out.reshape(local, ep, cap, self.hidden_size).transpose(0, 1)
         if ep > 1:  # each source's slots back to it, stacked by expert rank
             expert_out = comm.all_to_all(expert_out.contiguous(), 0, 0, self._group())
-        expert_out = expert_out.reshape(self.num_experts, cap, self.hidden_size)
-        return torch.einsum("tec,ecd->td", combine, expert_out).reshape(shape)
+        expert_out = expert_out.reshape(self.num_experts * cap, self.hidden_size)
+        gate = routed.combine_weights[token, expert, slot].to(x.dtype).unsqueeze(1)
+        out = tokens.new_zeros(tokens.shape).index_add(0, token, gate * expert_out[flat])
+        return out.reshape(shape)
 
     def _record(self, routed: RouterOutput) -> None:
         loss = self.aux_loss_coef * routed.aux_loss
