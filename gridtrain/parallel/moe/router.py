@@ -158,10 +158,11 @@ class Router(nn.Module):
         for mask, loc, gate in zip(masks, locations, gates, strict=True):
             kept = mask * (loc < cap)
             dropped += int((mask.sum() - kept.sum()).item())
-            slot = (loc * kept).sum(1)  # [tokens]: this choice's slot (0 where dropped)
-            slots = kept.unsqueeze(2) * F.one_hot(slot, cap).unsqueeze(1)  # [tokens, experts, cap]
-            dispatch = dispatch | slots.bool()
-            combine = combine + gate.view(-1, 1, 1) * slots
+            # scatter the kept choices' gates into their slots (no dense one-hot products)
+            token, expert = kept.nonzero(as_tuple=True)
+            slot = loc[token, expert]
+            dispatch[token, expert, slot] = True
+            combine = combine.index_put((token, expert, slot), gate[token])
         return RouterOutput(combine, dispatch, aux, z, load.detach(), dropped)
 
 
