@@ -107,7 +107,6 @@ def shared_input(ctx: ParallelContext | None = None) -> contextlib.AbstractConte
     return fn(ctx) if fn is not None else contextlib.nullcontext()
 
 
-
 def position_ids(seq_len: int, device=None, ctx: ParallelContext | None = None):
     """Global positions of this rank's ``seq_len`` tokens, for position embeddings:
     ``arange(seq_len)``, offset by the rank's shard where the mode splits the sequence."""
