@@ -111,7 +111,8 @@ def plain_step_fn(model: nn.Module, precision: str, device, x, y, world: int) ->
                 for m, g in zip(masters, grads):
                     m.grad = g
                 opt.step()
-                torch._foreach_copy_(params, masters)
+                with torch.no_grad():  # leaf fp16 params: copy the new masters in
+                    torch._foreach_copy_(params, masters)
             return loss.detach()
 
         return step
