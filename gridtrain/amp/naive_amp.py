@@ -96,14 +96,18 @@ class NaiveAmpOptimizer(AmpOptimizer):
 
     @torch.no_grad()
     def unscale_and_check(self) -> bool:
-        inv_scale = 1.0 / self.scaler.scale
-        overflow = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        # one fused unscale + inf check over all gradients (as torch's GradScaler does)
+        with_grad = [(p, m) for p, m in self._pairs if p.grad is not None]
         for p, master in self._pairs:
             if p.grad is None:
                 master.grad = None
-                continue
-            master.grad = p.grad.float().mul_(inv_scale)
-            overflow = torch.maximum(overflow, (~torch.isfinite(master.grad)).any().float())
+        grads = [p.grad.float() for p, _ in with_grad]
+        overflow = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
+        if grads:
+            inv_scale = torch.full((1,), 1.0 / self.scaler.scale, device=self.ctx.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, overflow, inv_scale)
+        for (_, master), g in zip(with_grad, grads):
+            master.grad = g
         comm.all_reduce_(
             overflow, self.ctx.group(ParallelMode.GLOBAL), op=torch.distributed.ReduceOp.MAX
         )
@@ -112,17 +116,17 @@ class NaiveAmpOptimizer(AmpOptimizer):
     @torch.no_grad()
     def step(self) -> None:
         self.optim.step()
-        for p, master in self._pairs:
-            p.copy_(master)
+        self.sync_model_from_masters()
 
     def update_scale(self, overflow: bool) -> None:
         self.scaler.update(overflow)
 
     @torch.no_grad()
     def sync_model_from_masters(self) -> None:
-        """Copy the masters into the fp16 model (after loading a checkpoint into the masters)."""
-        for p, master in self._pairs:
-            p.copy_(master)
+        """Copy the masters into the fp16 model (after each step, after loading a checkpoint)."""
+        if self._pairs:
+            params, masters = zip(*self._pairs)
+            torch._foreach_copy_(list(params), list(masters))
 
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         """(fp16 model parameter, fp32 master) pairs."""
