@@ -84,10 +84,11 @@ def _cifar10(train: bool) -> Dataset:
         ) from None
 
 
-def _stage_debian_fashion_mnist(root: Path) -> None:
-    """Copy Debian's gzipped idx files where torchvision's FashionMNIST looks for raw files."""
+def _stage_fashion_mnist_archives(root: Path) -> None:
+    """Unpack gzipped idx files (Debian's, or ones placed in $DATA/FashionMNIST/raw)
+    where torchvision's FashionMNIST looks for raw files, so no download is tried."""
     raw = root / "FashionMNIST" / "raw"
-    for gz in DEBIAN_FASHION_MNIST.glob("*-ubyte.gz"):
+    for gz in [*DEBIAN_FASHION_MNIST.glob("*-ubyte.gz"), *raw.glob("*-ubyte.gz")]:
         target = raw / gz.name[: -len(".gz")]
         if not target.exists():
             raw.mkdir(parents=True, exist_ok=True)
@@ -97,8 +98,7 @@ def _stage_debian_fashion_mnist(root: Path) -> None:
 
 def _fashion_mnist(train: bool) -> Dataset:
     root = data_root()
-    if DEBIAN_FASHION_MNIST.is_dir():
-        _stage_debian_fashion_mnist(root)
+    _stage_fashion_mnist_archives(root)
     # 28 x 28 grey -> 3 x 32 x 32, the CIFAR shape, so the model does not change
     steps = [T.Grayscale(num_output_channels=3), T.Pad(2)]
     if train:
