@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tensor.mode_1d_linear import PM1D, tp
+from gridtrain.parallel.tensor.vocab_loss import vocab_parallel_argmax
 
 
 class VocabShardedLogits(Tensor):
@@ -170,10 +171,5 @@ def accuracy(
     if not is_vocab_sharded(logits):
         return (logits.argmax(dim=-1) == labels).sum(), total
     ctx, n, rank = tp(ctx)
-    logits, group = _plain(logits), ctx.group(PM1D)
-    local_max, local_idx = logits.max(dim=-1)
-    best = comm.all_reduce_max(local_max, group)
-    vocab = logits.shape[-1] * n
-    candidate = torch.where(local_max == best, local_idx + rank * logits.shape[-1], vocab)
-    pred = -comm.all_reduce_max(-candidate, group)  # the smallest index holding the max
+    pred = vocab_parallel_argmax(_plain(logits), ctx.group(PM1D), rank, n)
     return (pred == labels).sum(), total

@@ -29,7 +29,7 @@ from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import get_shard_spec
 from gridtrain.parallel.tensor import dense
-from gridtrain.parallel.tensor.mode_3d_loss import VOCAB_PARALLEL_TAG, CrossEntropyLoss, accuracy
+from gridtrain.parallel.tensor.mode_3d_loss import CrossEntropyLoss, accuracy
 from gridtrain.parallel.tensor.mode_3d_ops import (
     AXIS_A,
     PAIR,
@@ -45,6 +45,7 @@ from gridtrain.parallel.tensor.mode_3d_ops import (
     swap_orientation,
     take_orientation,
 )
+from gridtrain.parallel.tensor.vocab_loss import VOCAB_PARALLEL_TAG
 
 __all__ = [
     "Classifier",

@@ -29,7 +29,7 @@ from gridtrain.parallel.tensor.summa import (
     replicated,
     shard_param,
 )
-from gridtrain.parallel.tensor.summa_loss import VOCAB_PARALLEL_TAG
+from gridtrain.parallel.tensor.vocab_loss import VOCAB_PARALLEL_TAG
 
 
 class VocabParallelEmbedding(nn.Module):
