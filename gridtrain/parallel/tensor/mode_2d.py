@@ -30,9 +30,13 @@ from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor import dense
+from gridtrain.parallel.tensor.common import (
+    check_divisible,
+    layer_norm_width,
+    normalize_over_group,
+)
 from gridtrain.parallel.tensor.summa import (
     both_axes,
-    check_divisible,
     check_width,
     classifier_weight,
     copy_from_twin,
@@ -130,13 +134,8 @@ class LayerNorm(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        shape = (
-            (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        )
-        if len(shape) != 1:
-            raise ValueError(f"LayerNorm: normalized_shape must be one dim, got {normalized_shape}")
         g = self.grid = grid_of(ctx)
-        self.hidden, self.eps = shape[0], eps
+        self.hidden, self.eps = layer_norm_width(normalized_shape), eps
         by = g.q**2 if elementwise_affine else g.q
         check_divisible(
             "LayerNorm", "normalized_shape", self.hidden, by, "hidden blocks x parameter split"
@@ -159,12 +158,8 @@ class LayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         g = self.grid
         check_width("LayerNorm", x, self.hidden // g.q)
-        xf = x.float()
-        # each rank uses the row's statistics for its own block: sum the gradients back
-        mean = comm.all_reduce(xf.sum(-1, keepdim=True), g.row_group) / self.hidden
-        xc = xf - mean
-        var = comm.all_reduce((xc * xc).sum(-1, keepdim=True), g.row_group) / self.hidden
-        y = (xc * torch.rsqrt(var + self.eps)).to(x.dtype)
+        # statistics over the grid row, always in fp32
+        y = normalize_over_group(x.float(), self.hidden, self.eps, g.row_group).to(x.dtype)
         if self.weight is not None:
             y = y * gather_col(self.weight, 0, g)
         if self.bias is not None:

@@ -29,6 +29,11 @@ from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import get_shard_spec
 from gridtrain.parallel.tensor import dense
+from gridtrain.parallel.tensor.common import (
+    check_divisible,
+    layer_norm_width,
+    normalize_over_group,
+)
 from gridtrain.parallel.tensor.mode_3d_loss import CrossEntropyLoss, accuracy
 from gridtrain.parallel.tensor.mode_3d_ops import (
     AXIS_A,
@@ -36,7 +41,6 @@ from gridtrain.parallel.tensor.mode_3d_ops import (
     Cube,
     as_shard,
     cube_now,
-    divides,
     hidden_spec,
     linear_3d,
     reset_orientation,
@@ -79,10 +83,12 @@ class Linear(nn.Module):
         super().__init__()
         cube = self.cube = cube_now(ctx)
         d = cube.d
-        divides("Linear", "in_features", in_features, d, "split over the hidden axis")
-        divides("Linear", "out_features", out_features, d**2, "split over G, then over A")
+        check_divisible("Linear", "in_features", in_features, d, "split over the hidden axis")
+        check_divisible("Linear", "out_features", out_features, d**2, "split over G, then over A")
         if bias:
-            divides("Linear", "out_features", out_features, d**3, "the bias is split d^3 ways")
+            check_divisible(
+                "Linear", "out_features", out_features, d**3, "the bias is split d^3 ways"
+            )
         self.in_features, self.out_features = in_features, out_features
         twin = nn.Linear(in_features, out_features, bias, dtype=dtype)
         spec = ((0, cube.row), (0, AXIS_A), (1, cube.feat))
@@ -116,15 +122,12 @@ class LayerNorm(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
-        shape = (
-            (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        )
-        if len(shape) != 1:
-            raise ValueError(f"LayerNorm: normalized_shape must be one dim, got {normalized_shape}")
         cube = self.cube = cube_now(ctx)
-        self.hidden, self.eps = shape[0], eps
+        self.hidden, self.eps = layer_norm_width(normalized_shape), eps
         by = cube.d**3 if elementwise_affine else cube.d
-        divides("LayerNorm", "normalized_shape", self.hidden, by, "hidden blocks x parameter split")
+        check_divisible(
+            "LayerNorm", "normalized_shape", self.hidden, by, "hidden blocks x parameter split"
+        )
         twin = nn.LayerNorm(self.hidden, eps, elementwise_affine, bias, dtype=dtype)
         spec = hidden_spec(0, cube)
         self.weight = shard_param(twin.weight, spec, cube, device) if elementwise_affine else None
@@ -134,12 +137,7 @@ class LayerNorm(nn.Module):
         cube = self.cube
         x = as_shard("LayerNorm", x, self.hidden, cube)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        group = cube.group(cube.feat)
-        # each rank normalises its own block with the shared statistics: sum gradients back
-        mean = comm.all_reduce(xf.sum(-1, keepdim=True), group) / self.hidden
-        xc = xf - mean
-        var = comm.all_reduce((xc * xc).sum(-1, keepdim=True), group) / self.hidden
-        y = (xc * torch.rsqrt(var + self.eps)).to(x.dtype)
+        y = normalize_over_group(xf, self.hidden, self.eps, cube.group(cube.feat)).to(x.dtype)
         if self.weight is not None:
             y = y * comm.all_gather(self.weight, 0, cube.group(cube.pair))
         if self.bias is not None:
@@ -188,7 +186,7 @@ class Embedding(_Orientation0):
     ):
         super().__init__()
         cube = self._setup(ctx)
-        divides("Embedding", "embedding_dim", embedding_dim, cube.d**3, "split d^3 ways")
+        check_divisible("Embedding", "embedding_dim", embedding_dim, cube.d**3, "split d^3 ways")
         twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
@@ -222,8 +220,10 @@ class VocabParallelEmbedding(_Orientation0):
         super().__init__()
         cube = self._setup(ctx)
         name = "VocabParallelEmbedding"
-        divides(name, "num_embeddings", num_embeddings, cube.d**2, "vocab split over C then A")
-        divides(name, "embedding_dim", embedding_dim, cube.d, "hidden blocks")
+        check_divisible(
+            name, "num_embeddings", num_embeddings, cube.d**2, "vocab split over C then A"
+        )
+        check_divisible(name, "embedding_dim", embedding_dim, cube.d, "hidden blocks")
         twin = nn.Embedding(num_embeddings, embedding_dim, padding_idx, dtype=dtype)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = twin.padding_idx
@@ -276,7 +276,7 @@ class Classifier(_Orientation0):
         super().__init__()
         cube = self._setup(ctx)
         d = cube.d
-        divides("Classifier", "in_features", in_features, d**3, "split d^3 ways")
+        check_divisible("Classifier", "in_features", in_features, d**3, "split d^3 ways")
         self.in_features, self.num_classes = in_features, num_classes
         spec = hidden_spec(1, cube)
         if weight is None:
@@ -336,8 +336,8 @@ class VocabParallelClassifier(_Orientation0):
         super().__init__()
         cube = self._setup(ctx)
         d, name = cube.d, "VocabParallelClassifier"
-        divides(name, "in_features", in_features, d, "hidden blocks")
-        divides(name, "num_classes", num_classes, d**3 if bias else d**2, "vocab blocks")
+        check_divisible(name, "in_features", in_features, d, "hidden blocks")
+        check_divisible(name, "num_classes", num_classes, d**3 if bias else d**2, "vocab blocks")
         self.in_features, self.num_classes = in_features, num_classes
         spec = ((0, cube.row), (0, AXIS_A), (1, cube.feat))
         if weight is None:
@@ -382,7 +382,7 @@ class PatchEmbedding(_Orientation0):
     ):
         super().__init__()
         cube = self._setup(ctx)
-        divides("PatchEmbedding", "embed_size", embed_size, cube.d**3, "split d^3 ways")
+        check_divisible("PatchEmbedding", "embed_size", embed_size, cube.d**3, "split d^3 ways")
         twin = dense.PatchEmbedding(img_size, patch_size, in_chans, embed_size, dtype=dtype)
         self.patch_size = patch_size
         self.weight = shard_param(twin.weight, hidden_spec(0, cube), cube)

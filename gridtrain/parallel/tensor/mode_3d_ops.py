@@ -98,12 +98,6 @@ def reset_orientation(ctx: ParallelContext | None = None) -> None:
     _ORIENTATION[ctx or get_context()] = 0
 
 
-def divides(layer: str, arg: str, value: int, by: int, why: str) -> None:
-    """Raise a ValueError naming the argument unless ``by`` divides ``value``."""
-    if value % by:
-        raise ValueError(f"{layer}: {arg}={value} must be divisible by {by} ({why})")
-
-
 # ---- batch layout ---------------------------------------------------------------------------
 def split_batch(x: Tensor, ctx: ParallelContext) -> Tensor:
     """This rank's rows of a batch ``[B, ...]``: block a of d over A, then block c of d over C.

@@ -131,12 +131,6 @@ def grid_of(ctx: ParallelContext | None) -> SummaGrid:
     return SummaGrid.of(ctx or get_context())
 
 
-def check_divisible(layer: str, arg: str, value: int, by: int, why: str) -> None:
-    """Raise, naming the argument, where a size does not split over the grid."""
-    if value % by:
-        raise ValueError(f"{layer}: {arg}={value} must be divisible by {by} ({why})")
-
-
 def shard_param(full: Tensor, spec, grid: SummaGrid, device) -> nn.Parameter:
     """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``.
 

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.tensor.common import check_divisible
 from gridtrain.parallel.tensor.summa import (
     both_axes,
-    check_divisible,
     check_width,
     classifier_weight,
     copy_from_twin,
