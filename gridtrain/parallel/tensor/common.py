@@ -1,8 +1,10 @@
-"""Constructor checks and LayerNorm maths shared by the sharded tensor modes (2D, 2.5D, 3D)."""
+"""Pieces the layers of the sharded tensor modes share (2D, 2.5D, 3D): constructor checks,
+LayerNorm over a split hidden dim, the vocabulary-block lookup."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from gridtrain.parallel import comm
@@ -33,3 +35,20 @@ def normalize_over_group(x: Tensor, hidden: int, eps: float, group) -> Tensor:
     xc = x - mean
     var = comm.all_reduce((xc * xc).sum(-1, keepdim=True), group) / hidden
     return xc * torch.rsqrt(var + eps)
+
+
+def vocab_block_lookup(
+    ids: Tensor, weight: Tensor, start: int, n: int, padding_idx: int | None
+) -> Tensor:
+    """Embeddings of ``ids`` from the vocabulary block ``[start, start + n)`` held in ``weight``.
+
+    Ids outside the block give zero rows, so summing the blocks' outputs gives the
+    dense lookup; ``padding_idx`` keeps its zero gradient where it is in the block.
+    """
+    local = ids - start
+    mine = (local >= 0) & (local < n)
+    pad = None
+    if padding_idx is not None and 0 <= padding_idx - start < n:
+        pad = padding_idx - start
+    out = F.embedding(local.masked_fill(~mine, 0), weight, pad)
+    return out.masked_fill(~mine.unsqueeze(-1), 0)

@@ -33,6 +33,7 @@ from gridtrain.parallel.tensor.common import (
     check_divisible,
     layer_norm_width,
     normalize_over_group,
+    vocab_block_lookup,
 )
 from gridtrain.parallel.tensor.mode_3d_loss import CrossEntropyLoss, accuracy
 from gridtrain.parallel.tensor.mode_3d_ops import (
@@ -233,14 +234,8 @@ class VocabParallelEmbedding(_Orientation0):
     def forward(self, ids: Tensor) -> Tensor:
         cube, n = self.cube, self.num_embeddings // self.cube.d
         ids = comm.all_gather_raw(ids, 0, cube.group(cube.row))  # the whole batch block a
-        start = cube.rank(cube.row) * n
-        local = ids - start
-        mine = (local >= 0) & (local < n)
-        pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - start < n:
-            pad = self.padding_idx - start
         w = comm.all_gather(self.weight, 0, cube.group(AXIS_A))
-        out = F.embedding(local.masked_fill(~mine, 0), w, pad).masked_fill(~mine.unsqueeze(-1), 0)
+        out = vocab_block_lookup(ids, w, cube.rank(cube.row) * n, n, self.padding_idx)
         return self._to_built(comm.reduce_scatter(out, 0, cube.group(cube.row)))
 
     def extra_repr(self) -> str:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.tensor.common import check_divisible
+from gridtrain.parallel.tensor.common import check_divisible, vocab_block_lookup
 from gridtrain.parallel.tensor.summa import (
     both_axes,
     check_width,
@@ -73,13 +72,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         g, n = self.grid, self.num_embeddings // self.grid.q
         ids = comm.all_gather_raw(ids, 0, g.col_group)  # every batch block of this column
-        local = ids - self.vocab_start
-        mine = (local >= 0) & (local < n)
-        pad = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < n:
-            pad = self.padding_idx - self.vocab_start
-        out = F.embedding(local.masked_fill(~mine, 0), replicated(self.weight, g), pad)
-        out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        w = replicated(self.weight, g)
+        out = vocab_block_lookup(ids, w, self.vocab_start, n, self.padding_idx)
         return comm.reduce_scatter(out, 0, g.col_group)
 
     def extra_repr(self) -> str:
