@@ -48,20 +48,8 @@ class CrossEntropyLoss(GridCrossEntropyLoss):
     rank's rows of per-sample losses (rows (a, b) for vocab-parallel logits).
     """
 
-    def __init__(
-        self,
-        weight: Tensor | None = None,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        *,
-        vocab_parallel: bool | None = None,
-        ctx: ParallelContext | None = None,
-    ):
-        super().__init__(
-            weight, ignore_index, reduction, label_smoothing, vocab_parallel=vocab_parallel
-        )
-        self.cube = Cube.of(ctx or get_context())
+    def _bind(self, ctx: ParallelContext) -> None:
+        self.cube = Cube.of(ctx)
 
     def _rows(self, labels: Tensor, vocab_parallel: bool) -> Tensor:
         return labels_for_rows(labels, AXIS_B, self.cube.ctx) if vocab_parallel else labels

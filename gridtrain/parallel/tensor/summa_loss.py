@@ -57,20 +57,8 @@ class CrossEntropyLoss(GridCrossEntropyLoss):
     ``reduction="none"`` returns this rank's block of per-sample losses.
     """
 
-    def __init__(
-        self,
-        weight: Tensor | None = None,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        *,
-        vocab_parallel: bool | None = None,
-        ctx: ParallelContext | None = None,
-    ):
-        super().__init__(
-            weight, ignore_index, reduction, label_smoothing, vocab_parallel=vocab_parallel
-        )
-        self.grid = SummaGrid.of(ctx or get_context())
+    def _bind(self, ctx: ParallelContext) -> None:
+        self.grid = SummaGrid.of(ctx)
 
     def _vocab_nll(self, logits: Tensor, labels: Tensor) -> Tensor:
         # vocab blocks along the grid row; always computed in fp32 here

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext, get_context
 
 VOCAB_PARALLEL_TAG = "_gt_vocab_parallel"  # set on the output of every VocabParallelClassifier
 
@@ -67,7 +68,7 @@ class GridCrossEntropyLoss(nn.Module):
     ``VocabParallelClassifier``'s tag (kept by views); pass ``vocab_parallel=True``
     for a copy of them (e.g. ``.float()``). ``reduction="none"`` returns this
     rank's rows of per-sample losses. Subclasses give the mode's layout through
-    ``_rows``, ``_vocab_nll`` and ``_row_sum``.
+    ``_bind``, ``_rows``, ``_vocab_nll`` and ``_row_sum``.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class GridCrossEntropyLoss(nn.Module):
         label_smoothing: float = 0.0,
         *,
         vocab_parallel: bool | None = None,
+        ctx: ParallelContext | None = None,
     ):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
@@ -87,6 +89,11 @@ class GridCrossEntropyLoss(nn.Module):
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.vocab_parallel = label_smoothing, vocab_parallel
+        self._bind(ctx or get_context())
+
+    def _bind(self, ctx: ParallelContext) -> None:
+        """Keep this rank's place in the mode's layout (called once, from ``__init__``)."""
+        raise NotImplementedError
 
     def _rows(self, labels: Tensor, vocab_parallel: bool) -> Tensor:
         """``split_batch``'s labels re-cut to the rows of the logits."""
