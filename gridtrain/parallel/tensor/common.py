@@ -1,5 +1,5 @@
-"""Pieces the layers of the sharded tensor modes share (2D, 2.5D, 3D): constructor checks,
-LayerNorm over a split hidden dim, the vocabulary-block lookup."""
+"""Pieces the layers of the tensor modes share: constructor checks and LayerNorm over a
+split hidden dim (2D, 2.5D, 3D), the vocabulary-block lookup (1D, 2D, 2.5D, 3D)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def vocab_block_lookup(
     """Embeddings of ``ids`` from the vocabulary block ``[start, start + n)`` held in ``weight``.
 
     Ids outside the block give zero rows, so summing the blocks' outputs gives the
-    dense lookup; ``padding_idx`` keeps its zero gradient where it is in the block.
+    dense lookup (their rows get no weight gradient either); ``padding_idx`` (in
+    ``[0, num_embeddings)``) keeps its zero gradient where it is in the block.
     """
     local = ids - start
     mine = (local >= 0) & (local < n)

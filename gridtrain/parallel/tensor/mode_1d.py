@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.sharding import get_shard_spec
+from gridtrain.parallel.tensor.common import vocab_block_lookup
 from gridtrain.parallel.tensor.mode_1d_linear import (
     PM1D,
     CtxRef,
@@ -145,18 +146,13 @@ class VocabParallelEmbedding1D(_Embedding):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self._dtype = _padding_idx(padding_idx, num_embeddings), dtype
         self.start, self.end = rank * local, (rank + 1) * local
-        pad = self.padding_idx
-        self.local_padding_idx = (
-            pad - self.start if pad is not None and self.start <= pad < self.end else None
-        )
         self._splits = {"weight": 0}
         self._install(ctx, device)
 
     def forward(self, ids: Tensor) -> Tensor:
-        foreign = (ids < self.start) | (ids >= self.end)
-        local = (ids - self.start).masked_fill(foreign, 0)
-        y = F.embedding(local, self.weight, self.local_padding_idx)
-        y = y.masked_fill(foreign.unsqueeze(-1), 0.0)  # also zeroes their weight gradient
+        y = vocab_block_lookup(
+            ids, self.weight, self.start, self.end - self.start, self.padding_idx
+        )
         return comm.reduce_from_group(y, self._ctx.ctx.group(PM1D))
 
 
