@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-NPROC ?= 4
+NPROC ?= 8
 
 .PHONY: demo test lint format venv clean
 
