@@ -1,0 +1,88 @@
+"""Every tag gridtrain puts on a parameter, as named get/set functions.
+
+Tags are plain attributes on the tensor objects, so they survive
+``nn.Module.to`` (same Parameter object) and are copied by ``copy_tags`` when a
+tensor is replaced (materialising a meta model, fp16 master weights).
+
+* shard spec: how this rank's shard maps into the dense tensor, a tuple of
+  ``(dim, ParallelMode)`` splits applied in order (see ``parallel.sharding``);
+* data-parallel mode: the group that averages the gradient (experts: EXPERT_DATA);
+* pipeline shared / tie index: a weight held by the first and the last stage
+  (tied embedding and head), and which tie of the dense model it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from gridtrain.parallel.mode import ParallelMode
+
+if TYPE_CHECKING:
+    from gridtrain.parallel.context import ParallelContext
+
+ShardSpec = tuple[tuple[int, ParallelMode], ...]
+
+_SHARD_SPEC = "_gt_shard_spec"
+_DP_MODE = "_gt_dp_mode"
+_PIPELINE_SHARED = "_gt_pipeline_shared"
+_PIPELINE_TIE = "_gt_pipeline_tie"
+ALL = (_SHARD_SPEC, _DP_MODE, _PIPELINE_SHARED, _PIPELINE_TIE)
+
+
+def set_shard_spec(param: Tensor, *splits: tuple[int, ParallelMode]) -> Tensor:
+    """Tag ``param`` as this rank's shard under ``splits``; returns it."""
+    setattr(param, _SHARD_SPEC, tuple(splits))
+    return param
+
+
+def get_shard_spec(param: Tensor) -> ShardSpec:
+    """The splits of ``param``; () for a replicated tensor."""
+    return getattr(param, _SHARD_SPEC, ())
+
+
+def set_dp_mode(param: Tensor, mode: ParallelMode) -> Tensor:
+    """Override the group over which ``param``'s gradient is averaged (experts: EXPERT_DATA)."""
+    setattr(param, _DP_MODE, mode)
+    return param
+
+
+def get_dp_mode(param: Tensor, ctx: ParallelContext) -> ParallelMode:
+    """The group over which ``param``'s gradient is averaged between replicas.
+
+    DATA by default; SEQUENCE_DP under sequence parallelism (the sequence shards
+    of one batch hold the same weights); whatever a layer set with ``set_dp_mode``.
+    """
+    default = ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
+    return getattr(param, _DP_MODE, default)
+
+
+def default_dp_mode(ctx: ParallelContext) -> ParallelMode:
+    """The data-parallel group of untagged tensors (buffers, plain parameters)."""
+    return ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
+
+
+def mark_pipeline_shared(param: Tensor, tie: int | None = None) -> Tensor:
+    """Tag a weight that lives on the first and the last pipeline stage (summed gradients)."""
+    setattr(param, _PIPELINE_SHARED, True)
+    if tie is not None:
+        setattr(param, _PIPELINE_TIE, tie)
+    return param
+
+
+def is_pipeline_shared(param: Tensor) -> bool:
+    return bool(getattr(param, _PIPELINE_SHARED, False))
+
+
+def pipeline_tie(param: Tensor) -> int:
+    """Index of the tie in the dense model (pairs the copies of two stages); 0 if unset."""
+    return getattr(param, _PIPELINE_TIE, 0)
+
+
+def copy_tags(src: Tensor, dst: Tensor) -> Tensor:
+    """Give ``dst`` every gridtrain tag ``src`` carries; returns ``dst``."""
+    for name in ALL:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+    return dst
