@@ -19,9 +19,7 @@ from gridtrain.amp.scaler import DynamicLossScaler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-
-# tags other parts of gridtrain read off a parameter; masters carry them too
-PARAM_TAGS = ("_gt_shard_spec", "_gt_dp_mode", "_gt_pipeline_shared")
+from gridtrain.parallel.tags import copy_tags
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
@@ -73,9 +71,7 @@ class NaiveAmpOptimizer(AmpOptimizer):
             masters = []
             for p in group["params"]:
                 master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
-                for tag in PARAM_TAGS:
-                    if hasattr(p, tag):
-                        setattr(master, tag, getattr(p, tag))
+                copy_tags(p, master)  # masters are sharded, averaged and clipped as p is
                 if p in optim.state:  # state loaded before initialize() moves to the master
                     optim.state[master] = optim.state.pop(p)
                 self._pairs.append((p, master))

@@ -19,9 +19,8 @@ from torch import Tensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import get_shard_spec
+from gridtrain.parallel.tags import get_shard_spec, is_pipeline_shared
 
-PIPELINE_SHARED_ATTR = "_gt_pipeline_shared"  # tied weights that live on two pipeline stages
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
@@ -30,16 +29,16 @@ def copies(param: Tensor, ctx: ParallelContext) -> int:
 
     Within one pipeline stage the data x tensor ranks hold ``prod(world sizes of
     the spec's modes)`` distinct shards, each as often as the rest; a tied
-    weight tagged ``_gt_pipeline_shared`` also lives on a second stage.
+    weight tagged pipeline-shared (``tags.mark_pipeline_shared``) also lives on a second stage.
     """
     replicas = ctx.world_size(ParallelMode.DATA) * ctx.world_size(ParallelMode.TENSOR)
-    shards = math.prod(ctx.world_size(mode) for _, mode in get_shard_spec(param))
+    shards = math.prod(ctx.world_size(mode) for _, mode, _ in get_shard_spec(param))
     if replicas % shards:
         raise ValueError(
             f"a parameter's shard spec {get_shard_spec(param)} splits it {shards} ways, which does "
             f"not divide data x tensor = {replicas} ranks of a pipeline stage"
         )
-    return replicas // shards * (2 if getattr(param, PIPELINE_SHARED_ATTR, False) else 1)
+    return replicas // shards * (2 if is_pipeline_shared(param) else 1)
 
 
 def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from gridtrain.gradient_handlers.buckets import DEFAULT_BUCKET_MB, build_buckets
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.sharding import get_dp_mode
+from gridtrain.parallel.tags import get_dp_mode
 
 
 class OverlappedDataParallel:

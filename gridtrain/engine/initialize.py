@@ -9,7 +9,6 @@ from torch import nn
 
 from gridtrain.amp import convert_to_amp
 from gridtrain.config import GradientHandlerConfig
-from gridtrain.engine.clip import PIPELINE_SHARED_ATTR
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.engine import Engine
 from gridtrain.engine.schedule import NonPipelineSchedule
@@ -17,7 +16,7 @@ from gridtrain.gradient_handlers import DATA_PARALLEL_HANDLERS, handler_class
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import get_dp_mode
+from gridtrain.parallel.tags import get_dp_mode, is_pipeline_shared
 
 logger = logging.getLogger("gridtrain")
 
@@ -41,7 +40,7 @@ def _any_rank_has_shared(model: nn.Module, ctx: ParallelContext) -> bool:
     """Whether any stage holds tied pipeline weights (the handler's set-up is collective)."""
     if ctx.pipeline_parallel_size == 1:
         return False
-    local = any(getattr(p, PIPELINE_SHARED_ATTR, False) for p in model.parameters())
+    local = any(is_pipeline_shared(p) for p in model.parameters())
     flag = torch.tensor([1.0 if local else 0.0], device=ctx.device)
     comm.all_reduce_(flag, ctx.group(ParallelMode.GLOBAL))
     return flag.item() > 0

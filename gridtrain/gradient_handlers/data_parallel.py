@@ -12,7 +12,7 @@ from gridtrain.gradient_handlers.buckets import (
     build_buckets,
 )
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.sharding import get_dp_mode
+from gridtrain.parallel.tags import get_dp_mode
 
 
 class DataParallelGradientHandler(GradientHandler):

@@ -13,7 +13,7 @@ from gridtrain.gradient_handlers.buckets import (
 )
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import get_dp_mode
+from gridtrain.parallel.tags import get_dp_mode
 
 
 class MoeGradientHandler(GradientHandler):

@@ -12,11 +12,11 @@ from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.pipeline.p2p import first_last_stage_group
-from gridtrain.parallel.pipeline.partition import SHARED_ATTR, TIE_ATTR
+from gridtrain.parallel.tags import is_pipeline_shared, pipeline_tie
 
 
 class PipelineSharedModuleGradientHandler(GradientHandler):
-    """All-reduce (sum) the gradients of parameters tagged ``_gt_pipeline_shared``.
+    """All-reduce (sum) the gradients of parameters tagged pipeline-shared (``tags.mark_pipeline_shared``).
 
     In the dense model a tied weight's gradient is the sum of the gradients of
     its uses; after pipeline partitioning each use lives on its own stage with
@@ -32,16 +32,16 @@ class PipelineSharedModuleGradientHandler(GradientHandler):
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, **kwargs):
         super().__init__(model, ctx)
-        shared = [p for p in model.parameters() if getattr(p, SHARED_ATTR, False)]
+        shared = [p for p in model.parameters() if is_pipeline_shared(p)]
         # both stages must list the copies in the same order: by tie index where known
-        self.params = sorted(shared, key=lambda p: getattr(p, TIE_ATTR, 0))
+        self.params = sorted(shared, key=pipeline_tie)
         pipeline = ctx.world_size(ParallelMode.PIPELINE)
         self.group = first_last_stage_group(ctx) if pipeline > 1 else None
         stage = ctx.local_rank(ParallelMode.PIPELINE)
         if self.params and stage not in (0, pipeline - 1):
             raise ValueError(
                 f"pipeline stage {stage} holds {len(self.params)} weights tagged "
-                f"{SHARED_ATTR}; only the first and the last stage may share weights"
+                "pipeline-shared; only the first and the last stage may share weights"
             )
 
     @torch.no_grad()

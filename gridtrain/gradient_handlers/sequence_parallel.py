@@ -12,8 +12,7 @@ from gridtrain.gradient_handlers.buckets import (
     build_buckets,
 )
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import _DP_ATTR
+from gridtrain.parallel.tags import get_dp_mode
 
 
 class SequenceParallelGradientHandler(GradientHandler):
@@ -34,10 +33,9 @@ class SequenceParallelGradientHandler(GradientHandler):
                 f"got {ctx.tensor_mode!r}; use DataParallelGradientHandler (or none) instead"
             )
 
-        def mode_of(p):
-            return getattr(p, _DP_ATTR, ParallelMode.SEQUENCE_DP)
-
-        self.buckets: list[Bucket] = build_buckets(model.parameters(), ctx, mode_of, bucket_size_mb)
+        self.buckets: list[Bucket] = build_buckets(
+            model.parameters(), ctx, lambda p: get_dp_mode(p, ctx), bucket_size_mb
+        )
 
     def handle_gradient(self) -> None:
         all_reduce_buckets(self.buckets)

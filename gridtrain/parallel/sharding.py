@@ -1,12 +1,14 @@
 """Dense twins: how each parameter's shard maps into the dense (layout-free) tensor.
 
-A parallel layer tags each sharded parameter with a *shard spec*, a sequence of
-``(dim, mode)`` splits applied in order: the dense tensor is cut into
+A parallel layer tags each sharded parameter with a *shard spec*
+(``tags.Split``s applied in order): the dense tensor is cut into
 ``world_size(mode)`` equal chunks along ``dim`` and this rank keeps chunk
-``local_rank(mode)``; the next split cuts that chunk again. An untagged tensor
-is replicated. From the specs alone, ``full_state_dict`` rebuilds dense tensors
-(all-gathers in reverse order) and ``load_full_state_dict`` cuts them again, so
-checkpoints move between any layouts and the model built with no parallelism.
+``local_rank(mode)``; the next split cuts that chunk again. A split with
+``parts > 1`` first views ``dim`` as that many packed blocks (fused q/k/v) and
+keeps the rank's chunk of each. An untagged tensor is replicated. From the
+specs alone, ``full_state_dict`` rebuilds dense tensors (all-gathers in reverse
+order) and ``load_full_state_dict`` cuts them again, so checkpoints move
+between any layouts and the model built with no parallelism.
 """
 
 from __future__ import annotations
@@ -20,38 +22,74 @@ from torch import Tensor, nn
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
-
-ShardSpec = tuple[tuple[int, ParallelMode], ...]
-_ATTR = "_gt_shard_spec"
-
-
-def set_shard_spec(param: Tensor, *splits: tuple[int, ParallelMode]) -> Tensor:
-    """Tag ``param`` as this rank's shard under ``splits`` (see module docstring); returns it."""
-    setattr(param, _ATTR, tuple(splits))
-    return param
-
-
-def get_shard_spec(param: Tensor) -> ShardSpec:
-    """The splits of ``param``; () for a replicated tensor."""
-    return getattr(param, _ATTR, ())
+from gridtrain.parallel.tags import (  # noqa: F401 - get/set re-exported for older imports
+    ShardSpec,
+    as_spec,
+    get_dp_mode,
+    get_shard_spec,
+    set_dp_mode,
+    set_shard_spec,
+)
 
 
-def shard_tensor(full: Tensor, spec: ShardSpec, ctx: ParallelContext) -> Tensor:
-    """This rank's shard of the dense tensor ``full``."""
-    for dim, mode in spec:
+def _check(full: Tensor, dim: int, n: int, parts: int, mode: ParallelMode) -> None:
+    if full.shape[dim] % (n * parts):
+        what = f"{parts} packed blocks each" if parts > 1 else "it"
+        raise ValueError(
+            f"dense dim {dim} of size {full.shape[dim]} does not split {n} ways over "
+            f"{mode.name} ({what})"
+        )
+
+
+def cut(full: Tensor, dim: int, n: int, index: int, parts: int = 1) -> Tensor:
+    """Chunk ``index`` of ``n`` along ``dim`` (of each of ``parts`` packed blocks); a view."""
+    if parts == 1:
+        return full.chunk(n, dim=dim)[index]
+    dim = dim % full.dim()
+    blocks = full.unflatten(dim, (parts, full.shape[dim] // parts))
+    return blocks.chunk(n, dim=dim + 1)[index].flatten(dim, dim + 1)
+
+
+def shard_tensor(full: Tensor, spec, ctx: ParallelContext) -> Tensor:
+    """This rank's shard of the dense tensor ``full`` (a new contiguous tensor)."""
+    for dim, mode, parts in as_spec(spec):
         n = ctx.world_size(mode)
-        if full.shape[dim] % n:
+        _check(full, dim, n, parts, mode)
+        full = cut(full, dim, n, ctx.local_rank(mode), parts)
+    return full.clone(memory_format=torch.contiguous_format)
+
+
+def shard_shape(dense_shape, spec, ctx: ParallelContext) -> tuple[int, ...]:
+    """The shape of this rank's shard of a dense tensor of ``dense_shape``."""
+    shape = list(dense_shape)
+    for dim, mode, parts in as_spec(spec):
+        n = ctx.world_size(mode)
+        if shape[dim] % (n * parts):
             raise ValueError(
-                f"dense dim {dim} of size {full.shape[dim]} does not split {n} ways over {mode.name}"
+                f"dense dim {dim} of size {shape[dim]} does not split {n} ways over {mode.name}"
             )
-        full = full.chunk(n, dim=dim)[ctx.local_rank(mode)]
-    return full.contiguous()
+        shape[dim] //= n
+    return tuple(shape)
 
 
-def full_tensor(shard: Tensor, spec: ShardSpec, ctx: ParallelContext) -> Tensor:
+def dense_shape(shard: Tensor, ctx: ParallelContext, spec: ShardSpec | None = None) -> tuple:
+    """The dense shape of ``shard`` (its own spec unless ``spec`` is given)."""
+    shape = list(shard.shape)
+    for dim, mode, _ in get_shard_spec(shard) if spec is None else as_spec(spec):
+        shape[dim] *= ctx.world_size(mode)
+    return tuple(shape)
+
+
+def full_tensor(shard: Tensor, spec, ctx: ParallelContext) -> Tensor:
     """The dense tensor, rebuilt from every rank's shard (collective over the spec's groups)."""
-    for dim, mode in reversed(spec):
-        shard = comm.all_gather_raw(shard.detach(), dim, ctx.group(mode))
+    for dim, mode, parts in reversed(as_spec(spec)):
+        group = ctx.group(mode)
+        if parts == 1:
+            shard = comm.all_gather_raw(shard.detach(), dim, group)
+            continue
+        dim = dim % shard.dim()
+        blocks = shard.detach().unflatten(dim, (parts, shard.shape[dim] // parts))
+        shard = comm.all_gather_raw(blocks.contiguous(), dim + 1, group).flatten(dim, dim + 1)
     return shard
 
 
@@ -64,7 +102,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _dense_items(model: nn.Module) -> Iterable[tuple[str, Tensor]]:
+def dense_items(model: nn.Module) -> Iterable[tuple[str, Tensor]]:
     """(dense key, local tensor) pairs; a model may rename keys via ``dense_key(name)``."""
     model = unwrap(model)
     rename = getattr(model, "dense_key", None)
@@ -80,7 +118,7 @@ def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dic
     ctx = ctx or get_context()
     local = {
         key: full_tensor(t, get_shard_spec(t), ctx).detach().cpu().clone()
-        for key, t in _dense_items(model)
+        for key, t in dense_items(model)
     }
     if ctx.world_size(ParallelMode.PIPELINE) == 1:
         return local
@@ -96,39 +134,21 @@ def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dic
 def load_full_state_dict(
     model: nn.Module, state_dict: dict[str, Tensor], ctx: ParallelContext | None = None
 ) -> None:
-    """Load a dense state dict: each rank copies in its own shard of every tensor it holds."""
+    """Load a dense state dict: each rank copies in its own shard of every tensor it holds.
+
+    Every shape is checked before anything is copied, so a mismatch leaves the model untouched.
+    """
     ctx = ctx or get_context()
-    missing = []
-    for key, t in _dense_items(model):
-        if key not in state_dict:
-            missing.append(key)
-            continue
-        shard = shard_tensor(state_dict[key].to(t.device), get_shard_spec(t), ctx)
-        if shard.shape != t.shape:
-            raise ValueError(
-                f"'{key}': dense shape {tuple(state_dict[key].shape)} gives shard "
-                f"{tuple(shard.shape)} but this rank holds {tuple(t.shape)}"
-            )
-        t.copy_(shard)
+    items = list(dense_items(model))
+    missing = [key for key, _ in items if key not in state_dict]
     if missing:
         raise KeyError(f"full state dict lacks {len(missing)} keys, e.g. {missing[:5]}")
-
-
-# ---- which group averages a parameter's gradient ------------------------------------------
-_DP_ATTR = "_gt_dp_mode"
-
-
-def set_dp_mode(param: Tensor, mode: ParallelMode) -> Tensor:
-    """Override the group over which ``param``'s gradient is averaged (experts: EXPERT_DATA)."""
-    setattr(param, _DP_ATTR, mode)
-    return param
-
-
-def get_dp_mode(param: Tensor, ctx: ParallelContext) -> ParallelMode:
-    """The group over which ``param``'s gradient is averaged between replicas.
-
-    DATA by default; SEQUENCE_DP under sequence parallelism (the sequence shards
-    of one batch hold the same weights); whatever a layer set with ``set_dp_mode``.
-    """
-    default = ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
-    return getattr(param, _DP_ATTR, default)
+    for key, t in items:
+        want = dense_shape(t, ctx)
+        if tuple(state_dict[key].shape) != want:
+            raise ValueError(
+                f"'{key}': dense shape {tuple(state_dict[key].shape)} differs from the "
+                f"model's {want}"
+            )
+    for key, t in items:
+        t.copy_(shard_tensor(state_dict[key].to(t.device), get_shard_spec(t), ctx))

@@ -13,7 +13,7 @@ tensor is replaced (materialising a meta model, fp16 master weights).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -22,7 +22,19 @@ from gridtrain.parallel.mode import ParallelMode
 if TYPE_CHECKING:
     from gridtrain.parallel.context import ParallelContext
 
-ShardSpec = tuple[tuple[int, ParallelMode], ...]
+
+
+class Split(NamedTuple):
+    """One cut of a shard spec: ``dim`` into ``world_size(mode)`` chunks, this rank keeps chunk
+    ``local_rank(mode)``. ``parts > 1``: ``dim`` packs that many equal blocks (fused q/k/v)
+    and each block is cut that way, the rank keeping its chunk of every block."""
+
+    dim: int
+    mode: ParallelMode
+    parts: int = 1
+
+
+ShardSpec = tuple[Split, ...]
 
 _SHARD_SPEC = "_gt_shard_spec"
 _DP_MODE = "_gt_dp_mode"
@@ -31,9 +43,14 @@ _PIPELINE_TIE = "_gt_pipeline_tie"
 ALL = (_SHARD_SPEC, _DP_MODE, _PIPELINE_SHARED, _PIPELINE_TIE)
 
 
-def set_shard_spec(param: Tensor, *splits: tuple[int, ParallelMode]) -> Tensor:
+def as_spec(splits) -> ShardSpec:
+    """``splits`` (``(dim, mode)`` or ``(dim, mode, parts)`` tuples) as a normalised spec."""
+    return tuple(Split(*s) for s in splits)
+
+
+def set_shard_spec(param: Tensor, *splits) -> Tensor:
     """Tag ``param`` as this rank's shard under ``splits``; returns it."""
-    setattr(param, _SHARD_SPEC, tuple(splits))
+    setattr(param, _SHARD_SPEC, as_spec(splits))
     return param
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import set_dp_mode, set_shard_spec
+from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 
 
 def expert_parallel_size(ctx: ParallelContext | None) -> int:

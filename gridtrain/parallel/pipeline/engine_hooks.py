@@ -11,16 +11,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gridtrain.config import ConfigError
-from gridtrain.parallel import comm
+from gridtrain.parallel import comm, tags
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.pipeline.p2p import first_last_stage_group
-from gridtrain.parallel.pipeline.partition import SHARED_ATTR, TIE_ATTR, PipelineStage, build_stage
+from gridtrain.parallel.pipeline.partition import PipelineStage, build_stage
 from gridtrain.parallel.pipeline.schedule import (
     InterleavedPipelineSchedule,
     PipelineSchedule,
     check_interleaved,
 )
+from gridtrain.parallel.tags import is_pipeline_shared, pipeline_tie
 
 logger = logging.getLogger("gridtrain")
 
@@ -107,8 +108,7 @@ def prepare_pipeline(
 def _sync_tied_from_first_stage(stage: nn.Module, ctx: ParallelContext) -> None:
     """Freshly materialised tied copies differ between first and last stage: take the first's."""
     shared = sorted(
-        (p for p in stage.parameters() if getattr(p, SHARED_ATTR, False)),
-        key=lambda p: getattr(p, TIE_ATTR, 0),
+        (p for p in stage.parameters() if is_pipeline_shared(p)), key=pipeline_tie
     )
     group = first_last_stage_group(ctx)
     if not shared or group is None:
@@ -121,11 +121,11 @@ def _sync_tied_from_first_stage(stage: nn.Module, ctx: ParallelContext) -> None:
 def has_pipeline_shared(model: nn.Module) -> bool:
     """Whether ``model`` holds a weight tied across pipeline stages (then the engine adds
     ``PipelineSharedModuleGradientHandler`` to the default handlers)."""
-    return any(getattr(p, SHARED_ATTR, False) for p in model.parameters())
+    return any(is_pipeline_shared(p) for p in model.parameters())
 
 
 def mark_pipeline_shared(*params: Any) -> None:
     """Declare weights that are tied across stages but are separate tensors (e.g. built by
     separate layer factories): their gradients are summed between first and last stage."""
     for p in params:
-        setattr(p, SHARED_ATTR, True)
+        tags.mark_pipeline_shared(p)

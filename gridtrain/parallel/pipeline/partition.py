@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gridtrain.parallel.tags import copy_tags, mark_pipeline_shared
+
 logger = logging.getLogger("gridtrain")
 
-SHARED_ATTR = "_gt_pipeline_shared"
-TIE_ATTR = "_gt_pipeline_tie"  # index of the tie in the dense model, to pair copies across stages
 METHODS = ("uniform", "parameters")
 
 
@@ -206,8 +206,7 @@ def _materialise(layers: list[nn.Module], device: torch.device) -> dict[int, nn.
             module._parameters[name] = new_of[id(old)]
         else:
             new_of[id(old)] = new
-            for attr, value in vars(old).items():  # keep tags (shard specs, dp mode)
-                setattr(new, attr, value)
+            copy_tags(old, new)
     for layer in layers:
         for t in [*layer.parameters(), *layer.buffers()]:
             t.zero_()  # deterministic where no reset_parameters writes
@@ -227,7 +226,7 @@ def build_stage(
 ) -> tuple[PipelineStage, dict[int, nn.Parameter]]:
     """Cut ``model`` and keep ``stage``'s layers; returns the stage and old->new param map.
 
-    Weights shared between stages are tagged ``param._gt_pipeline_shared = True``
+    Weights shared between stages are tagged ``tags.mark_pipeline_shared``
     on both copies (only ties between the first and the last stage are allowed:
     ``PipelineSharedModuleGradientHandler`` sums their gradients).
     """
@@ -266,8 +265,7 @@ def build_stage(
     dense_order = [id(p) for p in model.parameters()]  # deduplicated, same on every rank
     for tie, pid in enumerate(sorted(shared, key=dense_order.index)):
         if pid in new_of:
-            setattr(new_of[pid], SHARED_ATTR, True)
-            setattr(new_of[pid], TIE_ATTR, tie)
+            mark_pipeline_shared(new_of[pid], tie)
     module = PipelineStage(kept, chunks, stage, pipeline_size, getattr(model, "dense_key", None))
     logger.info(
         "pipeline stage %d/%d keeps %s (%d parameters, %d shared with another stage)",
