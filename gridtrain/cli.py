@@ -25,6 +25,7 @@ from gridtrain.cli_hosts import (
     RunSpec,
     UsageError,
     build_host_commands,
+    check_host,
     parse_hostfile,
     select_hosts,
     split_hosts,
@@ -178,6 +179,8 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
     multi = args.host is not None or args.hostfile is not None
     if not multi and (args.include is not None or args.exclude is not None):
         raise UsageError("--include/--exclude filter the hosts of --host or --hostfile")
+    if args.master_addr is not None:
+        check_host(args.master_addr, "--master_addr")
     for flag, port in (("--master_port", args.master_port), ("--ssh-port", args.ssh_port)):
         if port is not None and not 0 < port < 65536:
             raise UsageError(f"{flag} must be in 1..65535, got {port}")

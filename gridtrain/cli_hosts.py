@@ -7,7 +7,9 @@ commands built here.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -19,6 +21,14 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's default
 # Forwarded to every ssh session besides GRIDTRAIN_CONFIG: the knobs people set in
 # the launching shell and expect the workers to see (a login shell would drop them).
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
+# What a shell accepts after `export`; anything else could carry shell syntax.
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A DNS name or alias (labels of letters, digits, '-', '_', joined by dots; no leading '-' so
+# ssh cannot read it as an option), optionally after ssh's "user@".
+HOST_NAME = re.compile(
+    r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*"
+)
+USER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 class UsageError(ValueError):
@@ -73,6 +83,27 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[str]:
     return hosts
 
 
+def check_host(host: str, what: str = "host") -> str:
+    """``host`` if it is a host name, an IP address or ``user@`` either; else a ``UsageError``.
+
+    Host names reach ssh's command line and the remote shell, so anything with
+    spaces, shell syntax or a leading ``-`` (``-oProxyCommand=...``) is refused.
+    """
+    user, at, name = host.rpartition("@")
+    ok = bool(name) and (not at or USER_NAME.fullmatch(user) is not None)
+    if ok and HOST_NAME.fullmatch(name) is None:
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            ok = False
+    if not ok:
+        raise UsageError(
+            f"{what} {host!r} is not a host name (expected [user@]name or an IP address: "
+            "letters, digits, '.', '-', '_', not starting with '-')"
+        )
+    return host
+
+
 def split_hosts(value: str) -> list[str]:
     """``"a, b,c"`` -> ``["a", "b", "c"]``."""
     return [h.strip() for h in value.split(",") if h.strip()]
@@ -85,6 +116,8 @@ def select_hosts(
     nnodes: int | None = None,
 ) -> list[str]:
     """Filter ``hosts`` (order kept) by ``--include`` / ``--exclude``, then keep the first ``nnodes``."""
+    for host in hosts:
+        check_host(host)
     dup = sorted({h for h in hosts if hosts.count(h) > 1})
     if dup:
         raise UsageError(f"host {dup[0]!r} is listed more than once")
@@ -129,8 +162,18 @@ def torchrun_command(spec: RunSpec, python: str, node_rank: int) -> list[str]:
 
 
 def forwarded_env(spec: RunSpec, env: Mapping[str, str]) -> dict[str, str]:
-    """Variables each ssh session exports: GRIDTRAIN_CONFIG and the forwarded prefixes."""
+    """Variables each ssh session exports: GRIDTRAIN_CONFIG and the forwarded prefixes.
+
+    A forwarded variable whose name a shell would not accept (``NCCL_X$(cmd)``)
+    is a ``UsageError``: it would run as code in the remote shell.
+    """
     out = {k: v for k, v in sorted(env.items()) if k.startswith(FORWARDED_ENV_PREFIXES)}
+    for name in out:
+        if ENV_NAME.fullmatch(name) is None:
+            raise UsageError(
+                f"environment variable {name!r} would be forwarded to every host but is not a "
+                "valid name ([A-Za-z_][A-Za-z0-9_]*); unset it or rename it"
+            )
     out[CONFIG_ENV] = spec.config
     return out
 
@@ -150,13 +193,18 @@ def build_host_commands(
     env = os.environ if env is None else env
     cwd = os.getcwd() if cwd is None else cwd
     python = python or sys.executable
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in forwarded_env(spec, env).items())
-    ssh = ["ssh"] + (["-p", str(spec.ssh_port)] if spec.ssh_port is not None else [])
+    exports = " ".join(
+        f"{shlex.quote(k)}={shlex.quote(v)}" for k, v in forwarded_env(spec, env).items()
+    )
+    # -tt: the remote launcher gets a terminal, so when this ssh ends (gridtrain run stopped,
+    # killed or interrupted) the remote side is hung up and the launcher stops its workers.
+    ssh = ["ssh", "-tt"] + (["-p", str(spec.ssh_port)] if spec.ssh_port is not None else [])
     commands = []
     for node_rank, host in enumerate(spec.hosts):
+        check_host(host)
         remote = (
             f"cd {shlex.quote(cwd)} && export {exports} && "
             f"exec {shlex.join(torchrun_command(spec, python, node_rank))}"
         )
-        commands.append((host, [*ssh, host, remote]))
+        commands.append((host, [*ssh, "--", host, remote]))
     return commands

@@ -16,6 +16,7 @@ from gridtrain.launch import CONFIG_ENV
 
 CONFIG_2D = 'parallel = dict(tensor=dict(size=4, mode="2d"))\n'
 TORCHRUN = ["-m", "torch.distributed.run"]
+SSH = ["ssh", "-tt"]  # -tt: the remote launcher is hung up when the local ssh ends
 
 
 @pytest.fixture
@@ -180,15 +181,15 @@ def test_host_list_gives_one_ssh_command_per_node(files):
     )
     exports = "NCCL_DEBUG=INFO OMP_NUM_THREADS=1 "  # HOME is not forwarded
     assert cmds == [
-        ("node1", ["ssh", "-p", "2222", "node1", remote("node1", 0, 2, exports=exports)]),
-        ("node2", ["ssh", "-p", "2222", "node2", remote("node2", 1, 2, exports=exports)]),
+        ("node1", [*SSH, "-p", "2222", "--", "node1", remote("node1", 0, 2, exports=exports)]),
+        ("node2", [*SSH, "-p", "2222", "--", "node2", remote("node2", 1, 2, exports=exports)]),
     ]
 
 
 def test_hostfile_skips_comments_and_ignores_slots(files):
     cmds = host_commands(["--hostfile", "hosts.txt", "--nproc_per_node", "4"])
     assert cmds == [
-        (h, ["ssh", h, remote(h, i, 3)]) for i, h in enumerate(["node1", "node2", "node3"])
+        (h, [*SSH, "--", h, remote(h, i, 3)]) for i, h in enumerate(["node1", "node2", "node3"])
     ]
 
 
@@ -196,8 +197,8 @@ def test_include_keeps_hostfile_order_and_exclude_drops(files):
     argv = ["--hostfile", "hosts.txt", "--nproc_per_node", "2"]
     cmds = host_commands([*argv, "--include", "node3,node2"])
     assert cmds == [
-        ("node2", ["ssh", "node2", remote("node2", 0, 2, master="node2", nproc=2)]),
-        ("node3", ["ssh", "node3", remote("node3", 1, 2, master="node2", nproc=2)]),
+        ("node2", [*SSH, "--", "node2", remote("node2", 0, 2, master="node2", nproc=2)]),
+        ("node3", [*SSH, "--", "node3", remote("node3", 1, 2, master="node2", nproc=2)]),
     ]
     cmds = host_commands([*argv, "--exclude", "node1", "--master_addr", "10.0.0.1"])
     assert [c[1][-1] for c in cmds] == [
@@ -255,8 +256,9 @@ def test_signal_exit_codes_follow_the_shell():
 
 # ---- the ssh runner, with a fake ssh -------------------------------------------------------
 FAKE_SSH = """#!/bin/sh
-# fake ssh: [-p PORT] HOST COMMAND
-if [ "$1" = "-p" ]; then shift 2; fi
+# fake ssh: [OPTIONS] -- HOST COMMAND
+while [ "$1" != "--" ]; do shift; done
+shift
 echo "hello from $1"
 case "$1" in bad) exit 5;; slow) exec sleep 60;; esac
 """
