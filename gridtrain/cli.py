@@ -243,7 +243,7 @@ def _check_layout(spec: RunSpec) -> None:
     """Load the config and fail now, with its message, if the world size cannot run it."""
     cfg = load_config(spec.config)
     try:
-        cfg.check_world_size(spec.world_size)
+        cfg.check_run(spec.world_size)
     except ConfigError as err:
         raise ConfigError(
             f"{err} (--nproc_per_node {spec.nproc_per_node} x --nnodes {spec.nnodes})"

@@ -2,17 +2,16 @@
 
 Lower-case top-level keys are engine keys; a misspelt one is an error that
 suggests the closest key. UPPER_CASE keys are free user constants, readable as
-attributes (``cfg.TRAIN_ITERS``).
+attributes (``cfg.TRAIN_ITERS``). The sections live in ``config_sections``.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import runpy
+import traceback
 import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import (
@@ -20,160 +19,50 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
-from gridtrain.amp.types import AMP_TYPE
-
-TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
-GRADIENT_HANDLERS = (
-    "DataParallelGradientHandler",
-    "SequenceParallelGradientHandler",
-    "PipelineSharedModuleGradientHandler",
-    "MoeGradientHandler",
+from gridtrain.config_sections import (
+    GRADIENT_HANDLERS,
+    HANDLER_KWARGS,
+    STRICT,
+    TENSOR_MODES,
+    Fp16Config,
+    GradientHandlerConfig,
+    MoeConfig,
+    ParallelConfig,
+    PipelineConfig,
+    TensorConfig,
+    _suggest,
 )
+
+__all__ = [
+    "GRADIENT_HANDLERS",
+    "HANDLER_KWARGS",
+    "TENSOR_MODES",
+    "Config",
+    "ConfigError",
+    "Fp16Config",
+    "GradientHandlerConfig",
+    "MoeConfig",
+    "ParallelConfig",
+    "PipelineConfig",
+    "TensorConfig",
+]
 
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the key, the value and what is allowed."""
 
 
-def _suggest(key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-    hint = f" — did you mean '{close[0]}'?" if close else ""
-    return f"unknown key '{key}'{hint} (allowed: {', '.join(sorted(allowed))})"
-
-
-class _Section(BaseModel):
-    """A config section: unknown keys are errors that suggest the closest known key."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            allowed = list(cls.model_fields)
-            for key in data:
-                if key not in allowed:
-                    raise ValueError(_suggest(str(key), allowed))
-        return data
-
-
-class TensorConfig(_Section):
-    """``parallel.tensor``: how each model replica's layers are split."""
-
-    size: PositiveInt = Field(1, description="processes in one tensor-parallel group")
-    mode: Literal["1d", "2d", "2.5d", "3d", "sequence"] | None = Field(
-        None, description="tensor-parallel algorithm; None means no tensor parallelism"
-    )
-    depth: PositiveInt = Field(1, description="2.5d only: number of q x q layers")
-    ring_attention: Literal["standard", "online"] = Field(
-        "standard",
-        description="sequence only: 'standard' keeps S x S/N scores, 'online' uses online softmax",
-    )
-
-    @model_validator(mode="after")
-    def _layout(self) -> TensorConfig:
-        size, mode, depth = self.size, self.mode, self.depth
-        if mode is None and size > 1:
-            raise ValueError(f"tensor size {size} needs a mode, one of {', '.join(TENSOR_MODES)}")
-        if depth != 1 and mode != "2.5d":
-            raise ValueError(f"tensor depth {depth} is only used by mode '2.5d', got mode {mode!r}")
-        if mode == "2d" and math.isqrt(size) ** 2 != size:
-            raise ValueError(f"2d needs a square tensor size, got {size}")
-        if mode == "2.5d":
-            q2, rest = divmod(size, depth)
-            if rest or math.isqrt(q2) ** 2 != q2:
-                raise ValueError(
-                    f"2.5d needs tensor size = depth x q^2, got size {size} with depth {depth}"
-                )
-        if mode == "3d" and round(size ** (1 / 3)) ** 3 != size:
-            raise ValueError(f"3d needs a cubic tensor size (1, 8, 27, ...), got {size}")
-        return self
-
-
-class PipelineConfig(_Section):
-    """``parallel.pipeline``: an int (the size) or a dict with these keys."""
-
-    size: PositiveInt = Field(1, description="number of pipeline stages")
-    num_chunks: PositiveInt = Field(
-        1, description="model chunks per stage; > 1 selects the interleaved 1F1B schedule"
-    )
-    partition: Literal["uniform", "parameters"] = Field(
-        "uniform", description="cut layers evenly by count, or balance parameter counts"
-    )
-    tensor_shape: tuple[int, ...] | None = Field(
-        None, description="fixed activation shape between stages; None exchanges shapes"
-    )
-
-
-class ParallelConfig(_Section):
-    """``parallel``: how the world is cut. The data-parallel size is derived."""
-
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
-    tensor: TensorConfig = Field(default_factory=TensorConfig)
-
-    @field_validator("pipeline", "tensor", mode="before")
-    @classmethod
-    def _int_is_size(cls, value: Any) -> Any:
-        return {"size": value} if isinstance(value, int) and not isinstance(value, bool) else value
-
-
-class Fp16Config(_Section):
-    """``fp16``: mixed precision and the dynamic loss scaler."""
-
-    mode: AMP_TYPE | None = Field(None, description="torch, naive, apex or bf16")
-    initial_scale: float = Field(2.0**16, gt=0, description="first loss scale")
-    growth_factor: float = Field(
-        2.0, gt=1, description="scale multiplier after growth_interval good steps"
-    )
-    backoff_factor: float = Field(0.5, gt=0, lt=1, description="scale multiplier on overflow")
-    growth_interval: PositiveInt = Field(1000, description="good steps before the scale grows")
-    hysteresis: PositiveInt = Field(2, description="naive: overflows tolerated before backing off")
-    min_scale: float = Field(1.0, gt=0, description="naive: smallest loss scale")
-    max_scale: float = Field(2.0**32, gt=0, description="naive: largest loss scale")
-    verbose: bool = Field(False, description="log scale changes")
-    opt_level: Literal["O0", "O1", "O2", "O3"] = Field("O1", description="apex only")
-
-
-class GradientHandlerConfig(BaseModel):
-    """One entry of ``gradient_handler``: ``dict(type=name, **kwargs)``."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, value: str) -> str:
-        if value not in GRADIENT_HANDLERS:
-            close = difflib.get_close_matches(value, GRADIENT_HANDLERS, n=1)
-            hint = f" — did you mean '{close[0]}'?" if close else ""
-            raise ValueError(
-                f"unknown gradient handler '{value}'{hint} (allowed: {', '.join(GRADIENT_HANDLERS)})"
-            )
-        return value
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
-
-
-class MoeConfig(_Section):
-    """``moe``: mixture of experts."""
-
-    expert_parallel_size: PositiveInt = Field(
-        1, description="data ranks across which one layer's experts are spread"
-    )
-
-
 class Config(BaseModel):
     """The validated config. Engine keys are typed fields; UPPER_CASE keys are user constants."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(**STRICT, extra="allow")
 
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     fp16: Fp16Config | None = Field(None, description="mixed precision; None trains in fp32")
@@ -189,6 +78,14 @@ class Config(BaseModel):
     cudnn_benchmark: bool = Field(False, description="torch.backends.cudnn.benchmark")
     cudnn_deterministic: bool = Field(False, description="torch.backends.cudnn.deterministic")
     moe: MoeConfig = Field(default_factory=MoeConfig)
+    max_nonfinite_steps: NonNegativeInt = Field(
+        3,
+        description="consecutive steps with a non-finite loss or gradient norm before training "
+        "stops (each is skipped on every rank); 0 = never stop",
+    )
+    timeout_s: PositiveFloat = Field(
+        600.0, description="collective timeout in seconds (init_process_group and every group)"
+    )
     source: str | None = Field(None, description="set by from_file: the path it came from")
 
     @model_validator(mode="before")
@@ -205,6 +102,17 @@ class Config(BaseModel):
         if data.get("num_microbatches") is None and "NUM_MICRO_BATCHES" in data:
             data = {**data, "num_microbatches": data["NUM_MICRO_BATCHES"]}
         return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        pipeline, m = self.parallel.pipeline, self.num_microbatches
+        if pipeline.num_chunks > 1 and m is not None and m % pipeline.size:
+            raise ValueError(  # the same words as pipeline.schedule.check_interleaved
+                f"the interleaved schedule (parallel.pipeline.num_chunks={pipeline.num_chunks}) "
+                "needs num_microbatches divisible by the pipeline size: num_microbatches "
+                f"{m} % pipeline {pipeline.size} != 0"
+            )
+        return self
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -224,7 +132,7 @@ class Config(BaseModel):
         if path.suffix == ".py":
             data = {
                 k: v
-                for k, v in runpy.run_path(str(path)).items()
+                for k, v in _run_config(path).items()
                 if not k.startswith("_")
                 and not isinstance(v, types.ModuleType | types.FunctionType | type)
             }
@@ -268,8 +176,23 @@ class Config(BaseModel):
         self.check_world_size(world_size)
         return world_size // (self.pipeline_size * self.tensor_size)
 
+    def check_run(self, world_size: int) -> None:
+        """What ``gridtrain run`` checks before it starts anything: the layout for
+        ``world_size`` and what the engine will need (``num_microbatches`` for a pipeline).
+
+        ``launch()`` checks only the layout, since a pipeline group may be used
+        without the engine's schedule; ``gt.initialize`` checks the rest again.
+        """
+        self.check_world_size(world_size)
+        p = self.pipeline_size
+        if p > 1 and self.num_microbatches is None:
+            raise ConfigError(  # the same words as gt.initialize uses
+                f"parallel.pipeline = {p} needs num_microbatches in the config "
+                f"(e.g. num_microbatches = {2 * p})"
+            )
+
     def check_world_size(self, world_size: int) -> None:
-        """Every check that needs the world size, made before any process group exists."""
+        """Every layout check that needs the world size, made before any process group exists."""
         p, t = self.pipeline_size, self.tensor_size
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
@@ -289,12 +212,41 @@ class Config(BaseModel):
         return dict(self.model_extra or {})
 
 
+def _run_config(path: Path) -> dict[str, Any]:
+    """A ``.py`` config's globals; whatever it raises (``sys.exit`` too) becomes a ConfigError."""
+    try:
+        return runpy.run_path(str(path))
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - a config is user code
+        lines = [
+            f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == str(path)
+        ]
+        where = f" at line {lines[-1]}" if lines else ""
+        raise ConfigError(
+            f"config file '{path}' raised {err!r}{where} while loading; a config must only "
+            "assign its keys"
+        ) from None
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         where = f"key '{loc}': " if loc else ""
-        got = f" (got {e['input']!r})" if e["type"] not in ("value_error", "missing") else ""
+        got = ""
+        if e["type"] not in ("value_error", "missing"):
+            got = f" (got {e['input']!r}{_type_hint(e['input'])})"
         lines.append(f"{where}{msg}{got}")
     return "invalid config: " + "; ".join(lines)
+
+
+def _type_hint(value: Any) -> str:
+    if isinstance(value, bool):
+        return ", a bool"
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return ", a string; write numbers unquoted (YAML reads 1e-3 as a string: write 1.0e-3)"
+    return ""
