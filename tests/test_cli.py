@@ -136,7 +136,11 @@ def test_argument_errors_exit_2_before_any_process(files, no_process, capsys, ar
             "2d needs a square tensor size, got 6",
         ),
         ("paralel = dict(pipeline=2)\n", [], "did you mean 'parallel'"),
-        ("parallel = undefined_name\n", [], "failed to load: NameError"),
+        (
+            "parallel = undefined_name\n",
+            [],
+            "bad.py' raised NameError(\"name 'undefined_name' is not defined\") at line 1",
+        ),
     ],
 )
 def test_layout_errors_exit_2_with_the_config_message(
