@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 import gridtrain as gt
 from gridtrain.amp import AMP_TYPE
-from gridtrain.engine import checkpoint as ckpt_mod
+from gridtrain.engine.checkpoint.dense import dense_optimizer_state
 
 PM = gt.ParallelMode
 TP2 = dict(parallel=dict(tensor=dict(size=2, mode="1d")))
@@ -56,10 +56,10 @@ def _round_trip(ctx, path):
     engine, sched = _build(ctx, 0, sharded=True)
     _steps(engine, batches[:3])
     gt.save_checkpoint(path, 7, engine.model, engine.optimizer, sched)
-    saved_opt = ckpt_mod._dense_optimizer_state(engine.optimizer, engine.model, ctx)
+    saved_opt = dense_optimizer_state(engine.optimizer, engine.model, ctx)
     fresh, fresh_sched = _build(ctx, 123, sharded=True)  # different weights before loading
     epoch = gt.load_checkpoint(path, fresh.model, fresh.optimizer, fresh_sched)
-    loaded_opt = ckpt_mod._dense_optimizer_state(fresh.optimizer, fresh.model, ctx)
+    loaded_opt = dense_optimizer_state(fresh.optimizer, fresh.model, ctx)
     a, b = gt.full_state_dict(fresh.model), gt.full_state_dict(engine.model)
     same_model = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # one more step from both: equal only if Adam's moments and step count came back
@@ -79,7 +79,7 @@ def _round_trip(ctx, path):
 def _load_dense(ctx, path):
     engine, sched = _build(ctx, 5, sharded=False)
     epoch = gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
-    return epoch, ckpt_mod._dense_optimizer_state(engine.optimizer, engine.model, ctx)
+    return epoch, dense_optimizer_state(engine.optimizer, engine.model, ctx)
 
 
 def _assert_state_equal(a, b):

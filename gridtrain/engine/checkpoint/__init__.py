@@ -1,0 +1,137 @@
+"""Layout-free checkpoints: a dense single file, or a sharded directory (DCP), both resharding.
+
+``save_checkpoint(..., sharded=False)`` gathers the dense model and optimizer
+state and global rank 0 writes one file (``dense``); ``sharded=True`` has every
+rank write only its own shards into a directory through
+``torch.distributed.checkpoint`` (``sharded``), optionally in the background
+(``async_save=True``). ``load_checkpoint`` reads either (a file is dense, a
+directory sharded) into any layout. Both become visible only when complete and
+load nothing but tensors and plain values (``files``). ``latest_checkpoint``
+finds the newest complete one in a directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gridtrain.engine.checkpoint import dense as dense_format
+from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint import sharded as sharded_format
+from gridtrain.engine.checkpoint.files import UnsafeCheckpointError
+from gridtrain.engine.checkpoint.sharded import CheckpointFuture, wait_pending
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext, get_context
+from gridtrain.parallel.mode import ParallelMode
+
+
+def _agree(ctx: ParallelContext, failed: bool) -> bool:
+    """Barrier over GLOBAL that also tells every rank whether any rank failed."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=ctx.device)
+    comm.all_reduce_(flag, ctx.group(ParallelMode.GLOBAL))
+    return flag.item() > 0
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    epoch: int,
+    model,
+    optimizer=None,
+    lr_scheduler=None,
+    sharded: bool = False,
+    async_save: bool = False,
+    extra: Mapping[str, Any] | None = None,
+    ctx: ParallelContext | None = None,
+) -> CheckpointFuture | None:
+    """Save model, optimizer state, LR scheduler, loss scaler, ``epoch`` and ``extra``.
+
+    Collective: call on every rank. ``sharded=False``: one dense file, written by
+    global rank 0 (fp32 master weights under naive fp16). ``sharded=True``: a
+    directory in which every rank writes only the shards it owns, once per
+    distinct shard, plus every rank's RNG states (so a resume draws the same
+    dropout masks). ``async_save=True`` (sharded only) returns once this rank's
+    state is copied aside, writes in the background and returns a
+    :class:`CheckpointFuture`; the checkpoint appears at ``path`` when complete.
+    ``extra`` is a dict of plain values (numbers, strings, lists, dicts,
+    tensors), e.g. a data-loader position; ``load_checkpoint(extra=d)`` fills ``d``.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"save_checkpoint: path must be a str or os.PathLike, got {path!r}")
+    if async_save and not sharded:
+        raise ValueError("save_checkpoint: async_save=True needs sharded=True")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"save_checkpoint: extra must be a dict, got {type(extra).__name__}")
+    ctx = ctx or get_context()
+    path = Path(path)
+    if sharded:
+        state = sharded_format.state_dict(model, optimizer, lr_scheduler, extra, ctx)
+        future = sharded_format.save(path, epoch, state, ctx, async_save)
+        return future if async_save else None
+
+    wait_pending()
+    payload = dense_format.payload(model, optimizer, lr_scheduler, epoch, dict(extra or {}), ctx)
+    error = None
+    if ctx.global_rank == 0:
+        try:
+            dense_format.write(path, payload)
+        except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
+            error = err
+    if _agree(ctx, error is not None):
+        if error is not None:
+            raise error
+        raise RuntimeError(f"save_checkpoint: rank 0 failed to write {path}")
+    return None
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model,
+    optimizer=None,
+    lr_scheduler=None,
+    ctx: ParallelContext | None = None,
+    *,
+    extra: dict | None = None,
+) -> int:
+    """Load a checkpoint saved under any layout into this one; returns its epoch.
+
+    Collective. A file is the dense format, a directory the sharded one; each
+    rank reads its own shards. The optimizer must hold the same parameters in
+    the same groups as the one saved (matched by dense name); its state is
+    rebuilt from the checkpoint, so it need not have stepped. RNG states come
+    back when the layout is the one saved. ``extra``: a dict that receives the
+    saved ``extra``. Files holding anything but tensors and plain values are
+    refused (:class:`UnsafeCheckpointError`), before anything runs.
+    """
+    ctx = ctx or get_context()
+    path = Path(path)
+    wait_pending()
+    if path.is_dir():
+        return sharded_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint at '{path}'")
+    return dense_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directly in ``directory``, or None.
+
+    Complete: a dense file (torch's zip format) or a sharded directory with its
+    completion marker; hidden entries (temporaries of saves in flight or
+    interrupted) never count. Newest: the latest completed write (modification
+    time of the file or marker), whatever the names.
+    """
+    return files.latest(directory)
+
+
+__all__ = [
+    "CheckpointFuture",
+    "UnsafeCheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wait_pending",
+]

@@ -1,0 +1,145 @@
+"""The single-file dense format: the model and optimizer as the model built with no parallelism.
+
+Model tensors via ``sharding.full_state_dict``, optimizer state tensors rebuilt
+with their parameter's shard spec and keyed by the dense parameter name, plus
+the LR scheduler, the loss scaler, the epoch and ``extra``. A file written
+under one layout loads under any other. Global rank 0 writes (``files``:
+temporary beside the target, renamed over it); every rank reads the file
+(``torch.load(weights_only=True)``: tensors and plain values only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint.state import (
+    hyperparameters,
+    inner,
+    masters,
+    optimizer_params,
+    param_names,
+)
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.sharding import (
+    dense_shape,
+    full_state_dict,
+    full_tensor,
+    get_shard_spec,
+    load_full_state_dict,
+    shard_tensor,
+)
+
+FORMAT = 1
+
+
+def _merge_stages(local: dict, ctx: ParallelContext) -> dict:
+    merged: dict = {}
+    for stage in comm.all_gather_object(local, ctx.group(ParallelMode.PIPELINE)):
+        merged.update(stage)
+    return merged
+
+
+def dense_optimizer_state(optimizer, model: nn.Module, ctx: ParallelContext) -> dict[str, Any]:
+    """Collective: the optimizer's state with dense tensors, keyed by dense parameter name."""
+    state: dict[str, dict[str, Any]] = {}
+    group_of: dict[str, int] = {}
+    for _, index, p, model_param, name in optimizer_params(optimizer, model):
+        group_of[name] = index
+        entry = {}
+        for key, value in inner(optimizer).state.get(p, {}).items():
+            if isinstance(value, Tensor):
+                if value.dim() > 0 and value.shape == p.shape:
+                    value = full_tensor(value, get_shard_spec(model_param), ctx)
+                value = value.detach().cpu().clone()
+            entry[key] = value
+        if entry:
+            state[name] = entry
+    if ctx.pipeline_parallel_size > 1:
+        state, group_of = _merge_stages(state, ctx), _merge_stages(group_of, ctx)
+    return {"state": state, "group_of": group_of, "param_groups": hyperparameters(optimizer)}
+
+
+def _load_optimizer_state(optimizer, model: nn.Module, saved: dict, ctx: ParallelContext) -> None:
+    opt = inner(optimizer)
+    local: dict[str, Any] = {"state": {}, "param_groups": []}
+    start = 0
+    for g, group in enumerate(opt.param_groups):
+        hyper = saved["param_groups"][g] if g < len(saved["param_groups"]) else {}
+        params = list(range(start, start + len(group["params"])))
+        local["param_groups"].append({**hyperparameters(optimizer)[g], **hyper, "params": params})
+        start += len(params)
+    for index, _, _, model_param, name in optimizer_params(optimizer, model):
+        if name in saved["state"]:
+            dense = dense_shape(model_param, ctx)
+            local["state"][index] = {
+                k: shard_tensor(v, get_shard_spec(model_param), ctx)
+                if isinstance(v, Tensor) and v.dim() > 0 and tuple(v.shape) == dense
+                else v
+                for k, v in saved["state"][name].items()
+            }
+    opt.load_state_dict(local)
+
+
+def payload(model, optimizer, lr_scheduler, epoch: int, extra, ctx: ParallelContext) -> dict:
+    """Collective: the whole checkpoint as one dict of dense tensors and plain values."""
+    model_state = full_state_dict(model, ctx)
+    if masters(optimizer):
+        names = param_names(model)
+        fp32 = {
+            names[id(p)]: full_tensor(m.detach(), get_shard_spec(p), ctx).cpu().clone()
+            for p, m in masters(optimizer)
+        }
+        if ctx.pipeline_parallel_size > 1:
+            fp32 = _merge_stages(fp32, ctx)
+        model_state.update(fp32)
+    scaler = getattr(optimizer, "scaler", None)
+    return {
+        "format": FORMAT,
+        "epoch": epoch,
+        "model": model_state,
+        "optimizer": dense_optimizer_state(optimizer, model, ctx) if optimizer else None,
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "extra": extra,
+    }
+
+
+def write(path: Path, obj: dict) -> None:
+    """Rank 0 only: clean our stale temporaries beside ``path``, then write atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.clean_stale(path.parent)
+    files.atomic_torch_save(obj, path)
+
+
+def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
+    ckpt = files.safe_torch_load(path, f"'{path}'")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(
+            f"load_checkpoint: '{path}' is not a gridtrain checkpoint (format {FORMAT})"
+        )
+    load_full_state_dict(model, ckpt["model"], ctx)
+    if optimizer is not None:
+        if ckpt["optimizer"] is None:
+            raise KeyError(f"load_checkpoint: '{path}' holds no optimizer state")
+        names = param_names(model)
+        with torch.no_grad():
+            for p, master in masters(optimizer):
+                master.copy_(shard_tensor(ckpt["model"][names[id(p)]], get_shard_spec(p), ctx))
+        _load_optimizer_state(optimizer, model, ckpt["optimizer"], ctx)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and ckpt["scaler"] is not None:
+            scaler.load_state_dict(ckpt["scaler"])
+    if lr_scheduler is not None:
+        if ckpt["lr_scheduler"] is None:
+            raise KeyError(f"load_checkpoint: '{path}' holds no LR scheduler state")
+        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+    if extra is not None and ckpt.get("extra"):
+        extra.update(ckpt["extra"])
+    return ckpt["epoch"]

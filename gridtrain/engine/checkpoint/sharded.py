@@ -1,0 +1,404 @@
+"""The sharded format: a directory written through ``torch.distributed.checkpoint`` (DCP).
+
+Every rank hands DCP its own shards, described as chunks of the dense tensors
+(``state.chunk_view``), under flat keys::
+
+    model/<dense key>                  weights and buffers (fp32 masters under naive fp16)
+    optim/state/<dense name>/<key>     optimizer state; moments carry their parameter's chunks
+    optim/param_groups  lr_scheduler  scaler  extra      plain values, written once
+    rng/<global rank>                  every generator of that rank
+
+DCP writes each distinct chunk once (replicas of a chunk are deduplicated), so
+the directory holds about one copy of the state however many ranks wrote it,
+and no rank builds a dense tensor. Loading asks DCP for exactly this rank's
+chunks of the dense tensors, so a checkpoint reshards to any layout.
+
+The directory is written under a temporary name beside the target; when every
+rank's data and DCP's ``.metadata`` are written, rank 0 adds the completion
+marker (epoch and layout as JSON) and renames it into place (``files``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint.state import (
+    chunk_view,
+    hyperparameters,
+    inner,
+    layout,
+    masters,
+    optimizer_params,
+    rng_state,
+    set_rng_state,
+)
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.sharding import dense_items, dense_shape, get_shard_spec
+
+logger = logging.getLogger("gridtrain")
+
+FORMAT = "gridtrain-dcp"
+VERSION = 1
+MODEL, OPTIM, GROUPS = "model/", "optim/state/", "optim/param_groups"
+
+
+# ---- DCP with nothing unpickled but plain values ----------------------------------------------
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's reader, but ``.metadata`` may name only DCP's metadata classes."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = files.safe_load_metadata(f, f"'{self.path}'")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """Reads plain values with ``weights_only=True`` and keeps them apart from the tensors."""
+
+    def __init__(self, where: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.where = where
+        self.values: dict[str, Any] = {}
+
+    def load_bytes(self, read_item, value) -> None:
+        key = read_item.dest_index.fqn
+        self.values[key] = files.safe_torch_load(value, f"'{key}' of {self.where}")
+
+
+def _save_planner() -> dcp.DefaultSavePlanner:
+    return dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+# ---- what a rank writes ----------------------------------------------------------------------
+def state_dict(model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> dict[str, Any]:
+    """This rank's part of the checkpoint as DCP's flat state dict (tensors share storage)."""
+    fp32 = {id(p): m for p, m in masters(optimizer)}
+    out: dict[str, Any] = {}
+    for key, t in dense_items(model):
+        out[MODEL + key] = chunk_view(fp32.get(id(t), t), get_shard_spec(t), ctx)
+    if optimizer is not None:
+        opt = inner(optimizer)
+        for _, _, p, model_param, name in optimizer_params(optimizer, model):
+            for key, value in opt.state.get(p, {}).items():
+                fqn = f"{OPTIM}{name}/{key}"
+                if isinstance(value, Tensor):
+                    moment = value.dim() > 0 and value.shape == p.shape
+                    spec = get_shard_spec(model_param) if moment else ()
+                    out[fqn] = chunk_view(value, spec, ctx)
+                else:
+                    out[fqn] = value
+        out[GROUPS] = hyperparameters(optimizer)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None:
+            out["scaler"] = scaler.state_dict()
+    if lr_scheduler is not None:
+        out["lr_scheduler"] = lr_scheduler.state_dict()
+    if extra is not None:
+        out["extra"] = dict(extra)
+    out[f"rng/{ctx.global_rank}"] = rng_state(ctx)
+    return out
+
+
+# ---- saving ------------------------------------------------------------------------------------
+_ASYNC_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FINISHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gridtrain-ckpt")
+_PENDING: list[CheckpointFuture] = []
+_LOCK = threading.Lock()
+
+
+class CheckpointFuture:
+    """An asynchronous save in flight: ``wait()`` returns the checkpoint's path once it is
+    complete and in place on disk (raises what the save raised); ``done()`` does not block.
+
+    The next ``save_checkpoint``/``load_checkpoint`` waits for it; wait yourself before
+    ``gridtrain.destroy()`` (``wait_pending()``). ``stall_s``: how long ``save_checkpoint``
+    blocked training (staging a CPU copy of this rank's state).
+    """
+
+    def __init__(self, future: Future, path: Path, stall_s: float):
+        self._future = future
+        self.path = path
+        self.stall_s = stall_s
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"CheckpointFuture({str(self.path)!r}, {state})"
+
+
+def wait_pending() -> None:
+    """Wait for every asynchronous save of this process (raises the first failure)."""
+    with _LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    for future in pending:
+        future.wait()
+
+
+def _async_group(ctx: ParallelContext):
+    """A gloo group of every rank for the background saves (collective on first use), so
+    their collectives never interleave with training's on the default group."""
+    if ctx not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[ctx] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[ctx]
+
+
+def _agree(failed: bool, group, device) -> bool:
+    """Barrier over ``group`` that also tells every rank whether any rank failed."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    comm.all_reduce_(flag, group)
+    return flag.item() > 0
+
+
+def _prepare(path: Path, ctx: ParallelContext) -> Path:
+    """Rank 0 cleans up and creates the temporary directory; every rank learns its name."""
+    made: list[Any] = [None]
+    if ctx.global_rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            files.clean_stale(path.parent)
+            made[0] = tempfile.mkdtemp(dir=path.parent, prefix=files.temp_prefix(path))
+        except OSError as err:
+            made[0] = err
+    if ctx.world_size(ParallelMode.GLOBAL) > 1:
+        dist.broadcast_object_list(made, src=0, group=ctx.group(ParallelMode.GLOBAL))
+    if isinstance(made[0], BaseException):
+        raise OSError(f"save_checkpoint: cannot create a temporary beside '{path}'") from made[0]
+    return Path(made[0])
+
+
+def _finish(tmp: Path, path: Path, epoch: int, ctx: ParallelContext, group, saved_ok: bool):
+    """After DCP wrote everything: rank 0 marks the directory complete and renames it."""
+    error = None
+    if ctx.global_rank == 0:
+        try:
+            if saved_ok:
+                marker = {"format": FORMAT, "version": VERSION, "epoch": epoch}
+                files.write_marker(tmp, json.dumps({**marker, "layout": layout(ctx)}))
+                files.replace(tmp, path)
+            else:
+                files.remove_entry(tmp)
+        except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
+            error = err
+            files.remove_entry(tmp)
+    if group is None:
+        group, device = ctx.group(ParallelMode.GLOBAL), ctx.device
+    else:
+        device = torch.device("cpu")
+    if _agree(error is not None, group, device):
+        raise error or RuntimeError(f"save_checkpoint: rank 0 failed to finish '{path}'")
+    return path
+
+
+def _writer(tmp: Path) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+
+
+def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: bool):
+    """Collective: write ``state`` (from ``state_dict``) as a complete directory at ``path``."""
+    wait_pending()
+    tmp = _prepare(path, ctx)
+    if not async_save:
+        try:
+            dcp.save(state, storage_writer=_writer(tmp), planner=_save_planner())
+        except BaseException:
+            if ctx.global_rank == 0:
+                files.remove_entry(tmp)
+            raise
+        return _finish(tmp, path, epoch, ctx, None, True)
+
+    group = _async_group(ctx)
+    start = time.perf_counter()
+    stager = DefaultStager(StagingOptions(ctx.device.type == "cuda", False, False, False))
+    upload = dcp.async_save(
+        state,
+        storage_writer=_writer(tmp),
+        planner=_save_planner(),
+        process_group=group,
+        async_stager=stager,
+    )
+    stall = time.perf_counter() - start
+
+    def finish() -> Path:
+        try:
+            upload.result()
+            ok = True
+        except BaseException:  # noqa: BLE001 - reported through _finish to every rank
+            ok = False
+        finally:
+            stager.close()
+        _finish(tmp, path, epoch, ctx, group, ok)
+        if not ok:
+            upload.result()  # re-raise DCP's own error
+        return path
+
+    future = CheckpointFuture(_FINISHER.submit(finish), path, stall)
+    with _LOCK:
+        _PENDING.append(future)
+    return future
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def read_marker(path: Path) -> dict[str, Any]:
+    if not files.is_complete_dir(path):
+        raise ValueError(
+            f"load_checkpoint: '{path}' is not a complete gridtrain checkpoint "
+            f"(no {files.MARKER}: an interrupted save, or not written by gridtrain)"
+        )
+    marker = json.loads((path / files.MARKER).read_text())
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise ValueError(
+            f"load_checkpoint: '{path}' has format {marker.get('format')!r} "
+            f"version {marker.get('version')!r}; expected {FORMAT!r} {VERSION}"
+        )
+    return marker
+
+
+def _optimizer_targets(optimizer, model, md: dict, ctx: ParallelContext):
+    """Tensors shaped like this rank's optimizer state, for DCP to fill (no step needed).
+
+    Returns (targets by key, [(flat index, dense name, state keys)]).
+    """
+    saved: dict[str, list[str]] = {}
+    for fqn in md:
+        if fqn.startswith(OPTIM):
+            name, key = fqn[len(OPTIM) :].rsplit("/", 1)
+            saved.setdefault(name, []).append(key)
+    targets: dict[str, Any] = {}
+    entries = []
+    for index, _, p, model_param, name in optimizer_params(optimizer, model):
+        keys = saved.get(name, [])
+        for key in keys:
+            fqn = f"{OPTIM}{name}/{key}"
+            meta = md[fqn]
+            if not isinstance(meta, TensorStorageMetadata):
+                targets[fqn] = None  # a plain value
+            elif len(meta.size) > 0 and tuple(meta.size) == dense_shape(model_param, ctx):
+                buf = torch.empty(p.shape, dtype=meta.properties.dtype, device=p.device)
+                targets[fqn] = chunk_view(buf, get_shard_spec(model_param), ctx)
+            else:
+                targets[fqn] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        entries.append((index, name, keys))
+    return targets, entries
+
+
+def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
+    """Collective: read this rank's chunks of every tensor it holds from the directory ``path``."""
+    marker = read_marker(path)
+    reader = _SafeReader(path)
+    md = reader.read_metadata().state_dict_metadata
+    fp32 = {id(p): m for p, m in masters(optimizer)}
+    targets: dict[str, Any] = {}
+    missing = []
+    for key, t in dense_items(model):
+        fqn = MODEL + key
+        if fqn not in md:
+            missing.append(key)
+            continue
+        want = dense_shape(t, ctx)
+        if tuple(md[fqn].size) != want:
+            raise ValueError(
+                f"load_checkpoint: '{key}' has dense shape {tuple(md[fqn].size)} in '{path}', "
+                f"the model's is {want}"
+            )
+        targets[fqn] = chunk_view(fp32.get(id(t), t), get_shard_spec(t), ctx)
+    if missing:
+        raise KeyError(f"load_checkpoint: '{path}' lacks {len(missing)} keys, e.g. {missing[:5]}")
+    plain = ["extra"] if extra is not None else []
+    opt_entries = None
+    if optimizer is not None:
+        if GROUPS not in md:
+            raise KeyError(f"load_checkpoint: '{path}' holds no optimizer state")
+        opt_targets, opt_entries = _optimizer_targets(optimizer, model, md, ctx)
+        targets.update(opt_targets)
+        plain += [GROUPS, "scaler"]
+    if lr_scheduler is not None:
+        if "lr_scheduler" not in md:
+            raise KeyError(f"load_checkpoint: '{path}' holds no LR scheduler state")
+        plain.append("lr_scheduler")
+    rng_key = f"rng/{ctx.global_rank}"
+    same_layout = marker.get("layout") == json.loads(json.dumps(layout(ctx)))
+    if same_layout and rng_key in md:
+        plain.append(rng_key)
+    elif ctx.global_rank == 0:
+        logger.warning(
+            "load_checkpoint: '%s' was written under another layout; RNG states not restored",
+            path,
+        )
+    targets.update({key: None for key in plain if key in md})
+
+    planner = _SafeLoadPlanner(f"'{path}'")
+    dcp.load(targets, storage_reader=reader, planner=planner)
+    values = planner.values
+
+    with torch.no_grad():
+        for p, master in masters(optimizer):
+            p.copy_(master)
+    if optimizer is not None:
+        _load_optimizer(optimizer, targets, values, opt_entries)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and "scaler" in values:
+            scaler.load_state_dict(values["scaler"])
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(values["lr_scheduler"])
+    if extra is not None and "extra" in values:
+        extra.update(values["extra"])
+    if rng_key in values:
+        set_rng_state(ctx, values[rng_key])
+    return int(marker["epoch"])
+
+
+def _load_optimizer(optimizer, targets: dict, values: dict, entries) -> None:
+    """Hand the optimizer a state dict numbered as its own ``state_dict`` would number it."""
+    opt = inner(optimizer)
+    local: dict[str, Any] = {"state": {}, "param_groups": []}
+    start = 0
+    for g, hyper in enumerate(hyperparameters(optimizer)):
+        saved = values[GROUPS][g] if g < len(values[GROUPS]) else {}
+        params = list(range(start, start + len(opt.param_groups[g]["params"])))
+        local["param_groups"].append({**hyper, **saved, "params": params})
+        start += len(params)
+    for index, name, keys in entries:
+        if keys:
+            local["state"][index] = {
+                key: values[fqn] if targets[fqn] is None else targets[fqn]
+                for key in keys
+                for fqn in [f"{OPTIM}{name}/{key}"]
+            }
+    opt.load_state_dict(local)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and not os.path.islink(path)
+
+
+__all__ = ["CheckpointFuture", "load", "save", "state_dict", "wait_pending"]
