@@ -106,7 +106,7 @@ def test_round_trip_under_tensor_parallelism_and_into_a_dense_model(tmp_path):
     _assert_state_equal(dense_opt["state"], results[0][2]["state"])
 
 
-def _train_epochs(ctx, path, fp16, epochs, resume_from):
+def _train_epochs(ctx, path, fp16, epochs, resume_from, sharded=False):
     g = torch.Generator().manual_seed(3)
     dataset = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g))
     loader = gt.data.get_dataloader(dataset, batch_size=4, shuffle=True, seed=11)
@@ -120,26 +120,27 @@ def _train_epochs(ctx, path, fp16, epochs, resume_from):
     for epoch in range(start, epochs):
         loader.sampler.set_epoch(epoch)
         losses[epoch] = _steps(engine, [(x.to(ctx.device), y.to(ctx.device)) for x, y in loader])
-        gt.save_checkpoint(path, epoch + 1, engine.model, engine.optimizer, sched)
+        gt.save_checkpoint(path, epoch + 1, engine.model, engine.optimizer, sched, sharded)
     scale = getattr(engine.optimizer, "scaler", None)
     return losses, scale.state_dict() if scale is not None else None
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["dense", "sharded"])
 @pytest.mark.parametrize("fp16", [None, AMP_TYPE.NAIVE])
-def test_stop_and_resume_equals_uninterrupted(tmp_path, fp16):
+def test_stop_and_resume_equals_uninterrupted(tmp_path, fp16, sharded):
     config = dict(fp16=dict(mode=fp16, initial_scale=2.0**10, growth_interval=3)) if fp16 else {}
-    whole = run_distributed(
-        _train_epochs, 2, str(tmp_path / "a.pt"), fp16, 3, None, config=config, timeout=300
-    )
-    part = str(tmp_path / "b.pt")
-    run_distributed(_train_epochs, 2, part, fp16, 1, None, config=config, timeout=300)
-    resumed = run_distributed(_train_epochs, 2, part, fp16, 3, 1, config=config, timeout=300)
+    args = dict(config=config, timeout=300)
+    whole = run_distributed(_train_epochs, 2, str(tmp_path / "a"), fp16, 3, None, sharded, **args)
+    part = str(tmp_path / "b")
+    run_distributed(_train_epochs, 2, part, fp16, 1, None, sharded, **args)
+    resumed = run_distributed(_train_epochs, 2, part, fp16, 3, 1, sharded, **args)
     for (full, full_scale), (rest, rest_scale) in zip(whole, resumed, strict=True):
         assert sorted(rest) == [1, 2]
-        # deterministic CPU run, same weights, optimizer, scheduler, scaler and data order:
-        # the losses are bit-identical
+        # deterministic CPU run, same weights (fp32 masters under naive fp16), optimizer,
+        # scheduler, scaler and data order: the losses are bit-identical
         assert rest[1] == full[1] and rest[2] == full[2]
         assert rest_scale == full_scale
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"], "no temporary left"
 
 
 def _save_twice_crash_second(ctx, path):
@@ -167,22 +168,26 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt.pt"], "the temporary file was removed"
 
 
-def test_killed_mid_save_leaves_previous_checkpoint_and_only_a_hidden_temp(tmp_path):
+def test_killed_mid_save_leaves_previous_checkpoint_and_the_next_save_cleans_up(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"format": 1, "epoch": 1}, path)
     # a process killed while writing: no cleanup code runs at all
     script = textwrap.dedent(
         f"""
         import os, torch
-        from gridtrain.engine import checkpoint
+        from pathlib import Path
+        from gridtrain.engine.checkpoint import files
         def dying_save(obj, f, *a, **k):
             f.write(b"partial"); f.flush(); os._exit(9)
         torch.save = dying_save
-        checkpoint._atomic_save({{"epoch": 2}}, checkpoint.Path({str(path)!r}))
+        files.atomic_torch_save({{"epoch": 2}}, Path({str(path)!r}))
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], check=False)
     assert proc.returncode == 9
-    assert torch.load(path, weights_only=False)["epoch"] == 1, "the old checkpoint is intact"
+    assert torch.load(path, weights_only=True)["epoch"] == 1, "the old checkpoint is intact"
     leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt.pt"]
-    assert leftovers and all(n.startswith(".ckpt.pt.tmp-") for n in leftovers), leftovers
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.pt.tmp-gt."), leftovers
+    # the next save (any name, same directory) removes the dead process's temporary
+    run_distributed(_save_twice_crash_second, 1, str(tmp_path / "other.pt"), timeout=300)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "other.pt"]

@@ -213,7 +213,9 @@ def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        reason = next((line for line in str(err).splitlines() if "global" in line.lower()), "")
+        # torch's message: a general paragraph, what it refused, a pointer to the docs
+        middle = [p.strip() for p in str(err).split("\n\n")[1:-1] if p.strip()]
+        reason = f"Refused: {' '.join(middle)}" if middle else ""
         raise UnsafeCheckpointError(
             f"refusing to load {what}: it holds objects other than tensors and plain Python "
             f"values, which could run code when unpickled; nothing was executed. {reason}".strip()

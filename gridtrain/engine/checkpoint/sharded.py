@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -87,6 +88,14 @@ class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         key = read_item.dest_index.fqn
         self.values[key] = files.safe_torch_load(value, f"'{key}' of {self.where}")
+
+
+def _first_failure(err: CheckpointException) -> BaseException:
+    """DCP gathers every rank's exception into one; hand on the one that says what went wrong
+    (the same on every rank), an unsafe file first."""
+    failures = [exc for exc, _ in err.failures.values()]
+    unsafe = [exc for exc in failures if isinstance(exc, files.UnsafeCheckpointError)]
+    return (unsafe or failures or [err])[0]
 
 
 def _save_planner() -> dcp.DefaultSavePlanner:
@@ -230,9 +239,11 @@ def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: 
     if not async_save:
         try:
             dcp.save(state, storage_writer=_writer(tmp), planner=_save_planner())
-        except BaseException:
+        except BaseException as err:
             if ctx.global_rank == 0:
                 files.remove_entry(tmp)
+            if isinstance(err, CheckpointException):
+                raise _first_failure(err) from err
             raise
         return _finish(tmp, path, epoch, ctx, None, True)
 
@@ -258,7 +269,10 @@ def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: 
             stager.close()
         _finish(tmp, path, epoch, ctx, group, ok)
         if not ok:
-            upload.result()  # re-raise DCP's own error
+            try:
+                upload.result()
+            except CheckpointException as err:
+                raise _first_failure(err) from err
         return path
 
     future = CheckpointFuture(_FINISHER.submit(finish), path, stall)
@@ -357,7 +371,10 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
     targets.update({key: None for key in plain if key in md})
 
     planner = _SafeLoadPlanner(f"'{path}'")
-    dcp.load(targets, storage_reader=reader, planner=planner)
+    try:
+        dcp.load(targets, storage_reader=reader, planner=planner)
+    except CheckpointException as err:
+        raise _first_failure(err) from err
     values = planner.values
 
     with torch.no_grad():
