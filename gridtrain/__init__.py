@@ -1,12 +1,12 @@
 """gridtrain: a config-driven engine for data, tensor, pipeline, sequence and expert parallelism."""
 
-from gridtrain import data
+from gridtrain import data, nn
 from gridtrain.config import Config, ConfigError
 from gridtrain.engine import Engine, initialize, load_checkpoint, save_checkpoint
 from gridtrain.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from gridtrain.parallel.context import ParallelContext, destroy, get_context
+from gridtrain.parallel.materialize import lazy_init
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.pipeline.partition import lazy_init
 from gridtrain.parallel.sharding import full_state_dict, load_full_state_dict
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "launch_from_slurm",
     "launch_from_torch",
     "lazy_init",
+    "nn",
     "load_checkpoint",
     "load_full_state_dict",
     "save_checkpoint",

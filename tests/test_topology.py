@@ -80,7 +80,35 @@ def test_3d_axes_are_lines_and_planes_of_the_cube():
     assert g[PM.PARALLEL_3D_WEIGHT][0] == (0, 2)
     assert g[PM.PARALLEL_3D_OUTPUT][0] == (0, 4)
     assert g[PM.PARALLEL_3D_INPUT_X_WEIGHT][0] == (0, 1, 2, 3)
-    assert g[PM.PARALLEL_3D_OUTPUT_X_WEIGHT][0] == (0, 1, 4, 5)
+    assert g[PM.PARALLEL_3D_OUTPUT_X_WEIGHT][0] == (0, 2, 4, 6)
+    assert g[PM.PARALLEL_3D_INPUT_X_OUTPUT][0] == (0, 1, 4, 5)
+
+
+@pytest.mark.parametrize("size", [8, 27])
+def test_3d_combined_groups_are_unions_of_their_named_axes(size):
+    """INPUT_X_WEIGHT = the rank's INPUT and WEIGHT lines and everything they span (a plane);
+    likewise OUTPUT_X_WEIGHT and INPUT_X_OUTPUT. The legacy engine's semantics."""
+    cfg = gt.Config.from_dict(dict(parallel=dict(tensor=dict(size=size, mode="3d"))))
+    g = build_groups(cfg, size)
+    d = round(size ** (1 / 3))
+
+    def group_of(mode, rank):
+        (found,) = [grp for grp in g[mode] if rank in grp]
+        return set(found)
+
+    combined = {
+        PM.PARALLEL_3D_INPUT_X_WEIGHT: (PM.PARALLEL_3D_INPUT, PM.PARALLEL_3D_WEIGHT),
+        PM.PARALLEL_3D_OUTPUT_X_WEIGHT: (PM.PARALLEL_3D_OUTPUT, PM.PARALLEL_3D_WEIGHT),
+        PM.PARALLEL_3D_INPUT_X_OUTPUT: (PM.PARALLEL_3D_INPUT, PM.PARALLEL_3D_OUTPUT),
+    }
+    for rank in range(size):
+        for pair, (a, b) in combined.items():
+            plane = group_of(pair, rank)
+            line_a, line_b = group_of(a, rank), group_of(b, rank)
+            assert line_a <= plane and line_b <= plane, (pair, rank)
+            # the plane is exactly what the two lines span: every a-line through a b-point
+            spanned = set().union(*(group_of(a, r) for r in line_b))
+            assert plane == spanned and len(plane) == d * d, (pair, rank, plane, spanned)
 
 
 def test_expert_groups_cut_the_data_axis():

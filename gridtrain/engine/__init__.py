@@ -3,12 +3,13 @@
 from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
 from gridtrain.engine.engine import Engine
 from gridtrain.engine.initialize import initialize
-from gridtrain.engine.schedule import NonPipelineSchedule, Schedule
+from gridtrain.engine.schedules import NonPipelineSchedule, Schedule, StepFunctions
 
 __all__ = [
     "Engine",
     "NonPipelineSchedule",
     "Schedule",
+    "StepFunctions",
     "initialize",
     "load_checkpoint",
     "save_checkpoint",

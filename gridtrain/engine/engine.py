@@ -7,7 +7,9 @@ Built by ``gridtrain.initialize``. A training step is
 
 or ``engine.execute_schedule(data_iter)`` in place of the middle three. With
 ``gradient_accumulation = N`` the same loop runs every micro-step; ``zero_grad``
-and ``step`` only act at the window's edges.
+and ``step`` only act at the window's edges. The criterion is always called as
+``criterion(output, label)`` with the label as the batch gave it (a tensor, or a
+tuple/dict of tensors), split the way the tensor mode needs.
 """
 
 from __future__ import annotations
@@ -17,17 +19,24 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from gridtrain.amp.optimizer import AmpOptimizer
 from gridtrain.amp.torch_amp import autocast
 from gridtrain.engine.accumulation import GradientAccumulation
 from gridtrain.engine.clip import clip_grad_norm
 from gridtrain.engine.data_parallel import OverlappedDataParallel
-from gridtrain.engine.schedule import Schedule
+from gridtrain.engine.schedules import Schedule, StepFunctions
 from gridtrain.gradient_handlers.base import GradientHandler
+from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.tensor.layers import split_batch
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tags import default_dp_mode
+from gridtrain.parallel.tensor.modes import split_batch
+from gridtrain.parallel.tensor.sequence import mark_sequence_sharded
 
 logger = logging.getLogger("gridtrain")
 
@@ -45,6 +54,10 @@ class _SplitCriterion(nn.Module):
         return engine.compute_loss(output, *engine.split_batch(labels), **kwargs)
 
 
+class NonFiniteLossError(RuntimeError):
+    """Training stopped: the loss or gradient norm was not finite ``max_nonfinite_steps`` times."""
+
+
 class Engine:
     """Runs the model, the loss and the optimizer under the context's configuration."""
 
@@ -59,23 +72,36 @@ class Engine:
         data_parallel: OverlappedDataParallel | None = None,
         autocast_dtype=None,
         lr_scheduler=None,
+        plan=None,
     ):
         self.model = model
         self.optimizer = optimizer
         self.ctx = ctx
         self.schedule = schedule
+        self.plan = plan  # the tensor plan (print it), None without a tensor mode
         self.lr_scheduler = lr_scheduler
         self.gradient_handlers = list(gradient_handlers or [])
         self.data_parallel = data_parallel
         self.autocast_dtype = autocast_dtype
         self.clip_grad_norm = ctx.config.clip_grad_norm
+        self.max_nonfinite_steps = getattr(ctx.config, "max_nonfinite_steps", 3)
         self.accumulation = GradientAccumulation(ctx.config.gradient_accumulation)
         self._user_criterion = criterion
         self.criterion = _SplitCriterion(criterion, self) if criterion is not None else None
-        self._in_schedule = False
-        self.global_step = 0  # optimizer steps taken (skipped overflow steps not counted)
+        self.global_step = 0  # optimizer steps taken (skipped steps not counted)
         self.last_grad_norm: Tensor | None = None  # before clipping, when clipping is on
-        self.last_step_skipped = False  # the last window overflowed (fp16)
+        self.last_step_skipped = False  # the last window overflowed (fp16) or was not finite
+        self.nonfinite_in_a_row = 0
+        self._nonfinite: Tensor | None = None  # any non-finite loss in this window (on device)
+        self._bn_buffers = _batchnorm_buffers(model)
+        self.steps = StepFunctions(
+            forward=self._forward_split,
+            loss=self.compute_loss if criterion is not None else None,
+            backward=self._scaled_backward,
+            grad_sync=self.overlap_grad_sync,
+            split=self.split_batch,
+            device=ctx.device,
+        )
 
     # ---- modes ---------------------------------------------------------------------------
     def train(self) -> None:
@@ -93,28 +119,26 @@ class Engine:
         """This rank's part of every tensor in ``obj`` under the tensor mode (tuples/lists/dicts)."""
         if self.ctx.tensor_mode is None or obj is None:
             return obj
-        if isinstance(obj, Tensor):
-            return split_batch(obj, self.ctx)
-        if isinstance(obj, tuple | list):
-            return type(obj)(self.split_batch(o) for o in obj)
-        if isinstance(obj, dict):
-            return {k: self.split_batch(v) for k, v in obj.items()}
-        return obj
+        return tree_map(lambda t: split_batch(t, self.ctx) if isinstance(t, Tensor) else t, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward on this rank's part of the batch (inputs split per tensor mode, autocast on)."""
+        self._sync_batchnorm()
         args, kwargs = self.split_batch(args), self.split_batch(kwargs)
         with autocast(self.ctx.device, self.autocast_dtype):
             return self.model(*args, **kwargs)
 
-    def forward_split(self, data: Any) -> Any:
+    def _forward_split(self, data: Any, chunk: int | None = None) -> Any:
         """Forward on already-split ``data``: a tensor, a tuple of arguments or a dict of kwargs."""
+        if chunk is None or chunk == 0:
+            self._sync_batchnorm()
+        extra = {} if chunk is None else {"chunk": chunk}
         with autocast(self.ctx.device, self.autocast_dtype):
             if isinstance(data, tuple | list):
-                return self.model(*data)
+                return self.model(*data, **extra)
             if isinstance(data, dict):
-                return self.model(**data)
-            return self.model(data)
+                return self.model(**data, **extra)
+            return self.model(data, **extra)
 
     def compute_loss(self, output: Any, *labels: Any, **kwargs: Any) -> Tensor:
         """The user's criterion on already-split labels (under autocast when amp is on)."""
@@ -122,34 +146,37 @@ class Engine:
             raise ValueError(
                 "this engine has no criterion: pass criterion= to gridtrain.initialize"
             )
+        if self.ctx.tensor_mode == "sequence":  # token labels sum their loss over SEQUENCE
+            labels = tree_map(_mark_token_labels, labels)
         with autocast(self.ctx.device, self.autocast_dtype):
             return self._user_criterion(output, *labels, **kwargs)
 
+    @torch.no_grad()
+    def _sync_batchnorm(self) -> None:
+        """BatchNorm running statistics follow the first replica, as torch DDP broadcasts them."""
+        if not self._bn_buffers or not self.model.training:
+            return
+        mode = default_dp_mode(self.ctx)
+        if self.ctx.world_size(mode) == 1:
+            return
+        for buf in self._bn_buffers:
+            comm.broadcast_(buf, self.ctx.ranks(mode)[0], self.ctx.group(mode))
+
     # ---- backward ------------------------------------------------------------------------
-    def scale_loss(self, loss: Tensor) -> Tensor:
-        """``loss / gradient_accumulation`` times the fp16 loss scale: what backward differentiates.
-
-        A pipeline schedule calling ``backward`` on its own applies this to the last stage's loss.
-        """
-        loss = self.accumulation.scale(loss)
-        if isinstance(self.optimizer, AmpOptimizer):
-            loss = self.optimizer.scale_loss(loss)
-        return loss
-
     def backward(self, loss: Tensor) -> None:
         """Backward of one micro-step's loss (scaled for accumulation and fp16).
 
-        Outside ``execute_schedule`` each call is one micro-step; on the window's
-        last one the data-parallel all-reduce overlaps this backward.
+        Each call is one micro-step; on the window's last one the data-parallel
+        all-reduce overlaps this backward.
         """
-        if not self._in_schedule:  # execute_schedule counted this micro-step already
-            self.accumulation.begin_micro_step()
-            with self.overlap_grad_sync():
-                self._backward(loss)
-        else:
-            self._backward(loss)
+        self.accumulation.begin_micro_step()
+        with self.overlap_grad_sync():
+            self._scaled_backward(loss)
 
-    def _backward(self, loss: Tensor) -> None:
+    def _scaled_backward(self, loss: Tensor) -> None:
+        """Back-propagate ``loss`` divided by the accumulation size, times the fp16 scale."""
+        finite = torch.isfinite(loss.detach()).all()
+        self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
         loss = self.accumulation.scale(loss)
         if isinstance(self.optimizer, AmpOptimizer):
             self.optimizer.backward(loss)  # multiplies by the loss scale
@@ -185,8 +212,9 @@ class Engine:
     def step(self) -> bool:
         """At the end of an accumulation window: sync, unscale, clip, step, update scale and LR.
 
-        Returns True when the optimizer stepped; False inside a window or when
-        fp16 gradients overflowed (then every rank skipped, the LR scheduler too).
+        Returns True when the optimizer stepped; False inside a window, when fp16
+        gradients overflowed, or when the loss or gradient norm was not finite (fp32 and
+        bf16: every rank skips; ``max_nonfinite_steps`` such steps in a row raise).
         """
         if not self.accumulation.window_complete:
             return False
@@ -199,17 +227,56 @@ class Engine:
         overflow = amp.unscale_and_check() if amp is not None else False
         if self.clip_grad_norm > 0 and not overflow:
             self.last_grad_norm = clip_grad_norm(self._params(), self.clip_grad_norm, self.ctx)
-        if not overflow:
+        nonfinite = False
+        if getattr(amp, "scaler", None) is None:  # no loss scaler looks out for inf/NaN
+            nonfinite = self._nonfinite_window()
+        skip = overflow or nonfinite
+        if not skip:
             self.optimizer.step()
             self.global_step += 1
         if amp is not None:
             amp.update_scale(overflow)
         if overflow:
             logger.info("fp16 gradients overflowed: step skipped on every rank")
-        elif self.lr_scheduler is not None:
+        elif not nonfinite and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.last_step_skipped = overflow
-        return not overflow
+        self.last_step_skipped = skip
+        return not skip
+
+    def _nonfinite_window(self) -> bool:
+        """Whether any rank saw a non-finite loss (or the clipped norm is not finite)."""
+        flag = self._nonfinite
+        self._nonfinite = None
+        bad = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        if flag is not None:
+            bad = flag.float().to(bad.device)
+        if self.last_grad_norm is not None and self.clip_grad_norm > 0:
+            bad = torch.maximum(bad, (~torch.isfinite(self.last_grad_norm)).float())
+        if self.ctx.world_size(ParallelMode.GLOBAL) > 1:
+            comm.all_reduce_(bad, self.ctx.group(ParallelMode.GLOBAL), op=dist.ReduceOp.MAX)
+        if not bad.item():
+            self.nonfinite_in_a_row = 0
+            return False
+        self.nonfinite_in_a_row += 1
+        self.zero_grad_all()
+        logger.warning(
+            "non-finite loss or gradient norm: step %d skipped on every rank (%d in a row)",
+            self.global_step,
+            self.nonfinite_in_a_row,
+        )
+        limit = self.max_nonfinite_steps
+        if limit and self.nonfinite_in_a_row >= limit:
+            raise NonFiniteLossError(
+                f"the loss or gradient norm was not finite in {self.nonfinite_in_a_row} steps "
+                f"in a row (max_nonfinite_steps = {limit}); lower the learning rate, clip "
+                "gradients or check the data"
+            )
+        return True
+
+    def zero_grad_all(self) -> None:
+        """Drop every gradient now (a skipped window must not leak into the next one)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
     # ---- schedules -----------------------------------------------------------------------
     def execute_schedule(
@@ -231,17 +298,14 @@ class Engine:
             )
         if not forward_only:
             self.accumulation.begin_micro_step()
-        self._in_schedule = True
         try:
-            return self.schedule.forward_backward_step(
-                self, data_iter, forward_only, return_loss, return_output_label
+            return self.schedule.run(
+                self.steps, data_iter, forward_only, return_loss, return_output_label
             )
         except BaseException:
             if not forward_only:  # a failed batch is no micro-step
                 self.accumulation.micro_step -= 1
             raise
-        finally:
-            self._in_schedule = False
 
     def __repr__(self) -> str:
         return (
@@ -249,3 +313,17 @@ class Engine:
             f"schedule={type(self.schedule).__name__}, accumulation={self.accumulation.size}, "
             f"clip_grad_norm={self.clip_grad_norm}, ctx={self.ctx!r})"
         )
+
+
+def _mark_token_labels(t: Any) -> Any:
+    return mark_sequence_sharded(t) if isinstance(t, Tensor) and t.dim() >= 2 else t
+
+
+def _batchnorm_buffers(model: nn.Module) -> list[Tensor]:
+    return [
+        b
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+        for b in m.buffers(recurse=False)
+        if b is not None
+    ]

@@ -95,7 +95,7 @@ class AccuracyHook(BaseHook):
     def __init__(self, accuracy_func: Callable | None = None, priority: int = 0):
         super().__init__(priority)
         if accuracy_func is None:
-            from gridtrain.parallel.tensor.layers import accuracy as accuracy_func
+            from gridtrain.nn import accuracy as accuracy_func
         self.accuracy_func = accuracy_func
         self._counts: Tensor | None = None
 

@@ -1,8 +1,18 @@
-"""gridtrain.initialize: turn a model, optimizer and loss into an Engine under the context's config."""
+"""gridtrain.initialize: turn a model, optimizer and loss into an Engine under the context's config.
+
+In order: the tensor plan is made and checked (nothing moves until it fits),
+the model's layers are replaced by their mode's sharded layers and the
+optimizer is rebound to the new parameters; the pipeline stage is cut; a model
+built under ``gt.lazy_init`` materialises what this rank holds; parameters are
+broadcast over their data-parallel groups; mixed precision and gradient
+handlers are applied.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,12 +21,15 @@ from gridtrain.amp import convert_to_amp
 from gridtrain.config import GradientHandlerConfig
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.engine import Engine
-from gridtrain.engine.schedule import NonPipelineSchedule
+from gridtrain.engine.optimizer_rebind import rebind_optimizer
+from gridtrain.engine.schedules import NonPipelineSchedule
 from gridtrain.gradient_handlers import DATA_PARALLEL_HANDLERS, handler_class
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
+from gridtrain.parallel.materialize import materialise
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.tags import get_dp_mode, is_pipeline_shared
+from gridtrain.parallel.tags import default_dp_mode, get_dp_mode, is_pipeline_shared
+from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan
 
 logger = logging.getLogger("gridtrain")
 
@@ -24,9 +37,8 @@ logger = logging.getLogger("gridtrain")
 @torch.no_grad()
 def broadcast_from_first_replica(model: nn.Module, ctx: ParallelContext) -> None:
     """Make every data-parallel replica start from the first one's parameters and buffers."""
-    default = ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
     tensors = [(p, get_dp_mode(p, ctx)) for p in model.parameters()]
-    tensors += [(b, default) for b in model.buffers()]
+    tensors += [(b, default_dp_mode(ctx)) for b in model.buffers()]
     for t, mode in tensors:
         if ctx.world_size(mode) == 1:
             continue
@@ -46,17 +58,29 @@ def _any_rank_has_shared(model: nn.Module, ctx: ParallelContext) -> bool:
     return flag.item() > 0
 
 
-def _prepare_pipeline(model, optimizer, ctx):
-    try:
-        from gridtrain.parallel.pipeline.engine_hooks import prepare_pipeline
-    except ModuleNotFoundError as err:
-        if err.name != "gridtrain.parallel.pipeline.engine_hooks":
-            raise
-        raise NotImplementedError(
-            f"parallel.pipeline size {ctx.pipeline_parallel_size} needs "
-            "gridtrain/parallel/pipeline/engine_hooks.py (prepare_pipeline), which is missing"
-        ) from None
-    return prepare_pipeline(model, optimizer, ctx)
+def example_from(train_dataloader: Any, model: nn.Module) -> Any:
+    """An input to trace the model with: the first batch's data, else the model's
+    ``dummy_inputs`` (Hugging Face), else None. An iterator is never consumed."""
+    if train_dataloader is not None and not isinstance(train_dataloader, Iterator):
+        batch = next(iter(train_dataloader))
+        if isinstance(batch, tuple | list) and len(batch) == 2:
+            return batch[0]
+        if isinstance(batch, dict):
+            return {k: v for k, v in batch.items() if k != "labels"}
+        return batch
+    dummy = getattr(model, "dummy_inputs", None)
+    return dummy if isinstance(dummy, dict) else None
+
+
+def shard_model(model: nn.Module, optimizer, ctx: ParallelContext, example: Any = None):
+    """Plan and apply tensor parallelism to ``model`` in place; returns the plan (or None)."""
+    if ctx.tensor_mode is None:
+        return None
+    plan = build_plan(model, ctx, example)
+    new_of = apply_plan(model, plan, ctx)
+    rebind_optimizer(optimizer, new_of, ctx=ctx)
+    logger.info("%s", plan)
+    return plan
 
 
 def initialize(
@@ -67,16 +91,21 @@ def initialize(
     test_dataloader=None,
     lr_scheduler=None,
     ctx: ParallelContext | None = None,
+    example_inputs: Any = None,
 ):
     """Build the Engine; returns ``(engine, train_dataloader, test_dataloader, lr_scheduler)``.
 
-    Reads the context's config: pipeline stages (``parallel.pipeline``), mixed
-    precision (``fp16``), ``gradient_handler``, ``gradient_accumulation`` and
-    ``clip_grad_norm``. Parameters are broadcast over their data-parallel group
-    first, so replicas start equal. With no data-parallel handler named, the
-    engine all-reduces gradients during backward (overlapped, bucketed). The
-    engine steps ``lr_scheduler`` once per optimizer step; do not step it yourself.
-    Data loaders are returned as given (build them with ``gridtrain.data.get_dataloader``).
+    Reads the context's config: the tensor mode and plan (``parallel.tensor``), pipeline
+    stages (``parallel.pipeline``), mixed precision (``fp16``), ``gradient_handler``,
+    ``gradient_accumulation`` and ``clip_grad_norm``. A plain PyTorch or Hugging Face
+    model is sharded in place: its Linear, Embedding and norm layers become the mode's
+    layers under the same names, starting from the weights the model holds, and
+    ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
+    the plan is traced, ``example_inputs`` (else the first batch of
+    ``train_dataloader``, else the model's ``dummy_inputs``) drives the trace on meta.
+    Parameters are then broadcast over their data-parallel group, so replicas start
+    equal. The engine steps ``lr_scheduler`` once per optimizer step; do not step it
+    yourself. ``engine.plan`` shows each layer's style and shard shape.
     """
     ctx = ctx or get_context()
     cfg = ctx.config
@@ -89,10 +118,18 @@ def initialize(
     if criterion is not None and not callable(criterion):
         raise TypeError(f"initialize: criterion must be callable, got {type(criterion).__name__}")
 
+    needs_example = ctx.tensor_mode not in (None, "sequence") and example_inputs is None
+    example = example_from(train_dataloader, model) if needs_example else example_inputs
+    plan = shard_model(model, optimizer, ctx, example)
     if ctx.pipeline_parallel_size > 1:
-        model, optimizer, schedule = _prepare_pipeline(model, optimizer, ctx)
+        from gridtrain.engine.pipeline import prepare_pipeline
+
+        model, optimizer, schedule = prepare_pipeline(model, optimizer, ctx)
     else:
         schedule = NonPipelineSchedule()
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            new_of = materialise([model], ctx.device)
+            rebind_optimizer(optimizer, new_of, ctx=ctx)
     model.to(ctx.device)
     if criterion is not None and isinstance(criterion, nn.Module):
         criterion.to(ctx.device)
@@ -127,5 +164,6 @@ def initialize(
         data_parallel=data_parallel,
         autocast_dtype=autocast_dtype,
         lr_scheduler=lr_scheduler,
+        plan=plan,
     )
     return engine, train_dataloader, test_dataloader, lr_scheduler

@@ -24,21 +24,6 @@ from gridtrain.parallel.context import ParallelContext, get_context
 
 logger = logging.getLogger("gridtrain")
 
-HOOK_POINTS = (
-    "before_train",
-    "after_train",
-    "before_train_epoch",
-    "after_train_epoch",
-    "before_train_iter",
-    "after_train_iter",
-    "before_test",
-    "after_test",
-    "before_test_epoch",
-    "after_test_epoch",
-    "before_test_iter",
-    "after_test_iter",
-)
-
 
 def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor (tuple, list, dict or tensor)."""

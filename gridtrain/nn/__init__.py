@@ -1,6 +1,14 @@
-"""Public layer namespace: the configured tensor mode picks each layer's implementation."""
+"""Public layer namespace: plain ``torch.nn`` modules with optional hints for the planner.
 
-from gridtrain.parallel.tensor.layers import (
+Every class here *is* a plain module (``isinstance(gt.nn.Linear(...), nn.Linear)``),
+works with no gridtrain context at all, and only tells ``gt.initialize`` how to
+shard it when the config asks for tensor parallelism (``split=`` and friends).
+A model written with plain ``torch.nn`` layers is sharded just the same, by
+the traced plan (see ``gridtrain.parallel.tensor.plan``).
+"""
+
+from gridtrain.nn.functional import accuracy, attention, position_ids, shared_input
+from gridtrain.nn.layers import (
     Classifier,
     CrossEntropyLoss,
     Dropout,
@@ -8,12 +16,9 @@ from gridtrain.parallel.tensor.layers import (
     LayerNorm,
     Linear,
     PatchEmbedding,
+    RMSNorm,
     VocabParallelClassifier,
     VocabParallelEmbedding,
-    accuracy,
-    attention,
-    position_ids,
-    shared_input,
 )
 
 __all__ = [
@@ -24,6 +29,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "PatchEmbedding",
+    "RMSNorm",
     "VocabParallelClassifier",
     "VocabParallelEmbedding",
     "accuracy",

@@ -37,7 +37,8 @@ class ParallelMode(str, Enum):
     PARALLEL_3D_WEIGHT = "3d_weight"  # same (i, k), j varies
     PARALLEL_3D_OUTPUT = "3d_output"  # same (i, j), k varies
     PARALLEL_3D_INPUT_X_WEIGHT = "3d_input_x_weight"  # same k, (i, j) vary
-    PARALLEL_3D_OUTPUT_X_WEIGHT = "3d_output_x_weight"  # same j, (i, k) vary
+    PARALLEL_3D_OUTPUT_X_WEIGHT = "3d_output_x_weight"  # same i, (j, k) vary
+    PARALLEL_3D_INPUT_X_OUTPUT = "3d_input_x_output"  # same j, (i, k) vary
 
     # mixture of experts: the data axis is cut into expert groups
     EXPERT = "expert"  # consecutive data ranks that hold different experts

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from gridtrain.parallel.context import ParallelContext
 
 
-
 class Split(NamedTuple):
     """One cut of a shard spec: ``dim`` into ``world_size(mode)`` chunks, this rank keeps chunk
     ``local_rank(mode)``. ``parts > 1``: ``dim`` packs that many equal blocks (fused q/k/v)

@@ -66,6 +66,9 @@ def tensor_block_groups(mode: str | None, size: int, depth: int = 1) -> dict[PM,
                 [at3(i, j, k) for j, i in product(rng, rng)] for k in rng
             ],
             PM.PARALLEL_3D_OUTPUT_X_WEIGHT: [
+                [at3(i, j, k) for k, j in product(rng, rng)] for i in rng
+            ],
+            PM.PARALLEL_3D_INPUT_X_OUTPUT: [
                 [at3(i, j, k) for k, i in product(rng, rng)] for j in rng
             ],
         }

@@ -158,8 +158,12 @@ class PipelineP2P:
             ops.append(dist.P2POp(dist.irecv, t, self.prev_rank, self.group))
         for g in as_tuple(send_prev):
             ops.append(dist.P2POp(dist.isend, g.contiguous(), self.prev_rank, self.group))
+        # fresh contiguous buffers: empty_like would copy a view's strides (transposed or
+        # expanded stage outputs), and batch_isend_irecv takes contiguous tensors only
         from_next = [
-            torch.empty_like(t, dtype=self.dtype if self.tensor_shape else t.dtype)
+            torch.empty(
+                t.shape, dtype=self.dtype if self.tensor_shape else t.dtype, device=self.device
+            )
             for t in as_tuple(recv_next_like)
             if t.is_floating_point()
         ]
@@ -187,7 +191,7 @@ def input_grads(inputs: Payload) -> Payload:
     if inputs is None:
         return None
     return tuple(
-        (t.grad if t.grad is not None else torch.zeros_like(t))
+        (t.grad if t.grad is not None else torch.zeros(t.shape, dtype=t.dtype, device=t.device))
         for t in as_tuple(inputs)
         if t.is_floating_point()
     )

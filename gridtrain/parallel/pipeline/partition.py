@@ -10,39 +10,25 @@ balancing parameter counts ("parameters"); virtual part ``c * P + s`` is chunk
 layers under their dense paths, so its ``state_dict`` keys are the dense
 model's keys for those layers.
 
-A model built under ``lazy_init()`` lives on the meta device: each rank then
-allocates only its own layers and re-runs their ``reset_parameters``.
+A model built under ``gt.lazy_init()`` lives on the meta device: each rank then
+allocates only its own layers and re-runs their ``reset_parameters``
+(``parallel.materialize``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from gridtrain.parallel.tags import copy_tags, mark_pipeline_shared
+from gridtrain.parallel.materialize import materialise
+from gridtrain.parallel.tags import mark_pipeline_shared
 
 logger = logging.getLogger("gridtrain")
 
 METHODS = ("uniform", "parameters")
-
-
-@contextlib.contextmanager
-def lazy_init() -> Iterator[None]:
-    """Build a model on the meta device: no memory is allocated until the engine keeps a stage.
-
-    ``with gt.lazy_init(): model = build_model()`` then ``gt.initialize(model, ...)``:
-    each pipeline rank materialises only its own layers (``reset_parameters`` of
-    every submodule that has one) on ``ctx.device``. Load real weights afterwards
-    with ``gt.load_full_state_dict`` or a checkpoint. Layers whose buffers are
-    computed in ``__init__`` (not in ``reset_parameters``) get uninitialised buffers.
-    """
-    with torch.device("meta"):
-        yield
 
 
 def layer_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -184,38 +170,6 @@ class PipelineStage(nn.Module):
         return x
 
 
-def _param_slots(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    return [
-        (m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None
-    ]
-
-
-@torch.no_grad()
-def _materialise(layers: list[nn.Module], device: torch.device) -> dict[int, nn.Parameter]:
-    """Allocate meta layers on ``device``, re-tie shared weights, re-run reset_parameters.
-
-    Returns old parameter id -> new parameter (to rebind the optimizer).
-    """
-    slots = [s for layer in layers for s in _param_slots(layer)]
-    for layer in layers:
-        layer.to_empty(device=device)
-    new_of: dict[int, nn.Parameter] = {}
-    for module, name, old in slots:
-        new = module._parameters[name]
-        if id(old) in new_of:  # a weight tied inside this stage: keep one tensor
-            module._parameters[name] = new_of[id(old)]
-        else:
-            new_of[id(old)] = new
-            copy_tags(old, new)
-    for layer in layers:
-        for t in [*layer.parameters(), *layer.buffers()]:
-            t.zero_()  # deterministic where no reset_parameters writes
-        for m in layer.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-    return new_of
-
-
 def build_stage(
     model: nn.Module,
     stage: int,
@@ -260,7 +214,7 @@ def build_stage(
         b.is_meta for _, m in kept for b in m.buffers()
     )
     if on_meta:
-        new_of = _materialise([m for _, m in kept], device or torch.device("cpu"))
+        new_of = materialise([m for _, m in kept], device or torch.device("cpu"))
         new_of.update({id(q): q for q in list(new_of.values())})  # already-new params map to self
     dense_order = [id(p) for p in model.parameters()]  # deduplicated, same on every rank
     for tie, pid in enumerate(sorted(shared, key=dense_order.index)):

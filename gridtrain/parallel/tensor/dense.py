@@ -1,27 +1,21 @@
-"""The layer set with no tensor parallelism: plain torch modules, and the dense twins.
-
-Every tensor mode implements these names with the same constructor arguments;
-its layers' full state dicts have exactly the keys and shapes of the ones here.
-"""
+"""Layers with no tensor parallelism: the dense twins gridtrain adds to torch's, and the
+batch split, loss and accuracy of a run without a tensor mode."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gridtrain.parallel.context import ParallelContext
-
-Linear = nn.Linear
-Embedding = nn.Embedding
-VocabParallelEmbedding = nn.Embedding
-LayerNorm = nn.LayerNorm
-Dropout = nn.Dropout
-CrossEntropyLoss = nn.CrossEntropyLoss
+from gridtrain.parallel.tensor.vocab import GridCrossEntropyLoss, plain
 
 
-class Classifier(nn.Module):
-    """``logits = x @ weight.T + bias``; pass ``weight`` to tie it (e.g. to an embedding)."""
+class Classifier(nn.Linear):
+    """``logits = x @ weight.T + bias``: an ``nn.Linear`` whose bias starts at zero; pass
+    ``weight`` to tie it (e.g. to an embedding's ``[num_classes, in_features]`` weight)."""
 
     def __init__(
         self,
@@ -30,23 +24,32 @@ class Classifier(nn.Module):
         weight: nn.Parameter | None = None,
         bias: bool = True,
         dtype: torch.dtype | None = None,
+        device=None,
     ):
-        super().__init__()
-        if weight is None:
-            weight = nn.Parameter(torch.empty(num_classes, in_features, dtype=dtype))
-            nn.init.kaiming_uniform_(weight, a=5**0.5)
-        elif tuple(weight.shape) != (num_classes, in_features):
-            raise ValueError(
-                f"tied classifier weight must be ({num_classes}, {in_features}), got {tuple(weight.shape)}"
-            )
-        self.weight = weight
-        self.bias = nn.Parameter(torch.zeros(num_classes, dtype=dtype)) if bias else None
+        tied = weight is not None  # then nothing is drawn for the weight (it has an owner)
+        super().__init__(in_features, num_classes, bias, "meta" if tied else device, dtype)
+        self._tied = tied
+        if tied:
+            if tuple(weight.shape) != (num_classes, in_features):
+                raise ValueError(
+                    f"tied classifier weight must be ({num_classes}, {in_features}), "
+                    f"got {tuple(weight.shape)}"
+                )
+            self.weight = weight
+            if bias:
+                self.bias = nn.Parameter(
+                    torch.zeros(num_classes, dtype=dtype, device=weight.device)
+                )
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+    @property
+    def num_classes(self) -> int:
+        return self.out_features
 
-
-VocabParallelClassifier = Classifier
+    def reset_parameters(self) -> None:
+        if not getattr(self, "_tied", False):  # a tied weight is reset by its owner
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
 
 class PatchEmbedding(nn.Module):
@@ -62,19 +65,26 @@ class PatchEmbedding(nn.Module):
         in_chans: int,
         embed_size: int,
         dtype: torch.dtype | None = None,
+        device=None,
     ):
         super().__init__()
         if img_size % patch_size:
             raise ValueError(f"img_size {img_size} is not divisible by patch_size {patch_size}")
-        self.patch_size = patch_size
+        self.img_size, self.patch_size = img_size, patch_size
+        self.in_chans, self.embed_size = in_chans, embed_size
         num_patches = (img_size // patch_size) ** 2
-        self.weight = nn.Parameter(
-            torch.empty(embed_size, in_chans, patch_size, patch_size, dtype=dtype)
-        )
-        self.bias = nn.Parameter(torch.zeros(embed_size, dtype=dtype))
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_size, dtype=dtype))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, embed_size, dtype=dtype))
+        kw = dict(dtype=dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(embed_size, in_chans, patch_size, patch_size, **kw))
+        self.bias = nn.Parameter(torch.empty(embed_size, **kw))
+        self.cls_token = nn.Parameter(torch.empty(1, 1, embed_size, **kw))
+        self.pos_embed = nn.Parameter(torch.empty(1, 1 + num_patches, embed_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        nn.init.zeros_(self.bias)
+        nn.init.zeros_(self.cls_token)
+        nn.init.zeros_(self.pos_embed)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -83,11 +93,13 @@ class PatchEmbedding(nn.Module):
         return torch.cat([cls, x], dim=1) + self.pos_embed
 
 
-def accuracy(
-    logits: Tensor, labels: Tensor, ctx: ParallelContext | None = None
-) -> tuple[Tensor, Tensor]:
+class CrossEntropyLoss(GridCrossEntropyLoss):
+    """``nn.CrossEntropyLoss`` (class dim last, or at 1): rows and classes all on this rank."""
+
+
+def accuracy(logits: Tensor, labels: Tensor, ctx: ParallelContext | None = None):
     """(correct, total) over this data-parallel rank's batch, as 0-d tensors."""
-    correct = (logits.argmax(dim=-1) == labels).sum()
+    correct = (plain(logits).argmax(dim=-1) == labels).sum()
     return correct, torch.tensor(labels.numel(), device=labels.device)
 
 

@@ -1,129 +1,86 @@
-"""Mode-agnostic layers: ``gt.nn.Linear(...)`` builds the configured tensor mode's Linear.
+"""Which class of which mode a planned layer becomes: one table per tensor mode.
 
-Each mode module (``dense``, ``mode_1d``, ``mode_2d``, ``mode_2p5d``, ``mode_3d``,
-``sequence``) exports the same names with the same constructor arguments; this
-file only picks the module from the current context's tensor mode.
+``layer_for(ctx, kind, style, options)`` returns ``(factory, options)``, where
+``factory(dense_module, ctx, **options)`` builds the sharded layer, or None when
+the dense module is kept as it is (replicated).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
-from gridtrain.parallel.context import ParallelContext, get_context, has_context
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor import mode_1d, mode_2d, mode_3d
+from gridtrain.parallel.tensor.dropout import ParallelDropout
+from gridtrain.parallel.tensor.plan import DROPOUT, EMBEDDING, LINEAR, NORM, PATCH, PlanError
 
-MODE_MODULES = {
-    None: "gridtrain.parallel.tensor.dense",
-    "1d": "gridtrain.parallel.tensor.mode_1d",
-    "2d": "gridtrain.parallel.tensor.mode_2d",
-    "2.5d": "gridtrain.parallel.tensor.mode_2p5d",
-    "3d": "gridtrain.parallel.tensor.mode_3d",
-    "sequence": "gridtrain.parallel.tensor.sequence",
+Factory = Callable[..., Any]
+
+
+def _dropout(rng_mode, vocab_mode=None) -> Factory:
+    def build(dense, ctx, sharded: bool = True, **_):
+        return ParallelDropout(dense, ctx, rng_mode if sharded else None, vocab_mode)
+
+    return build
+
+
+_1D: dict[tuple[str, str], tuple[Factory, dict]] = {
+    (LINEAR, "colwise"): (mode_1d.ColumnLinear, {}),
+    (LINEAR, "packed_colwise"): (mode_1d.ColumnLinear, {}),
+    (LINEAR, "colwise_gather_output"): (mode_1d.ColumnLinear, {"gather_output": True}),
+    (LINEAR, "gather_output"): (mode_1d.ColumnLinear, {"gather_output": True}),
+    (LINEAR, "vocab_parallel"): (mode_1d.ColumnLinear, {"vocab_parallel": True}),
+    (LINEAR, "rowwise"): (mode_1d.RowLinear, {}),
+    (LINEAR, "rowwise_split_input"): (mode_1d.RowLinear, {"parallel_input": False}),
+    (EMBEDDING, "embedding_rowwise"): (mode_1d.VocabParallelEmbedding1D, {}),
+    (EMBEDDING, "embedding_colwise"): (mode_1d.Embedding1D, {}),
+    (EMBEDDING, "colwise"): (mode_1d.Embedding1D, {}),
+    (PATCH, "colwise"): (mode_1d.PatchEmbedding1D, {}),
+    (DROPOUT, "replicate"): (_dropout(mode_1d.PM1D, mode_1d.PM1D), {}),
 }
 
 
-def mode_module(ctx: ParallelContext | None = None) -> ModuleType:
-    """The implementation module of ``ctx``'s tensor mode (dense when no context exists)."""
-    if ctx is None and not has_context():
-        return importlib.import_module(MODE_MODULES[None])
-    ctx = ctx or get_context()
-    return importlib.import_module(MODE_MODULES[ctx.tensor_mode])
+def _grid_table(m) -> dict[tuple[str, str], tuple[Factory, dict]]:
+    """2d/2.5d and 3d: every Linear is the mode's Linear, heads its classifiers."""
+    inner = ("auto", "colwise", "rowwise", "packed_colwise", "rowwise_split_input")
+    table = {(LINEAR, s): (m.Linear, {}) for s in inner}
+    table[(LINEAR, "gather_output")] = (m.Classifier, {})
+    table[(LINEAR, "colwise_gather_output")] = (m.Classifier, {})
+    table[(LINEAR, "vocab_parallel")] = (m.VocabParallelClassifier, {})
+    table[(EMBEDDING, "embedding_rowwise")] = (m.VocabParallelEmbedding, {})
+    table[(EMBEDDING, "embedding_colwise")] = (m.Embedding, {})
+    table[(EMBEDDING, "colwise")] = (m.Embedding, {})
+    table[(NORM, "norm")] = (m.Norm, {})
+    table[(PATCH, "colwise")] = (m.PatchEmbedding, {})
+    table[(DROPOUT, "replicate")] = (_dropout(ParallelMode.TENSOR), {})
+    return table
 
 
-def resolve(name: str, ctx: ParallelContext | None = None) -> Any:
-    """The configured mode's implementation of layer (or function) ``name``."""
-    module = mode_module(ctx)
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        mode = (ctx or get_context()).tensor_mode if has_context() else None
-        raise NotImplementedError(
-            f"gt.nn.{name} is not available under tensor mode {mode!r}"
-        ) from None
+_2D, _3D = _grid_table(mode_2d), _grid_table(mode_3d)
+_SEQUENCE = {(DROPOUT, "replicate"): (_dropout(ParallelMode.SEQUENCE), {})}
+TABLES = {"1d": _1D, "2d": _2D, "2.5d": _2D, "3d": _3D, "sequence": _SEQUENCE}
 
 
-class _ModeLayer:
-    """Constructing a subclass builds the configured mode's class of the same name."""
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        return resolve(cls.__name__)(*args, **kwargs)
-
-
-class Linear(_ModeLayer):
-    """``Linear(in_features, out_features, bias=True)``; under 1d, consecutive ones alternate
-    column- and row-parallel so an MLP or attention block needs no annotations."""
-
-
-class Embedding(_ModeLayer):
-    """``Embedding(num_embeddings, embedding_dim, padding_idx=None)``: hidden dim sharded."""
-
-
-class VocabParallelEmbedding(_ModeLayer):
-    """``VocabParallelEmbedding(num_embeddings, embedding_dim, padding_idx=None)``: vocab sharded."""
-
-
-class LayerNorm(_ModeLayer):
-    """``LayerNorm(normalized_shape, eps=1e-5)``."""
-
-
-class Classifier(_ModeLayer):
-    """``Classifier(in_features, num_classes, weight=None, bias=True)``: gathered logits."""
-
-
-class VocabParallelClassifier(_ModeLayer):
-    """``VocabParallelClassifier(in_features, num_classes, weight=None, bias=True)``:
-    logits stay sharded over the vocabulary; pair with ``CrossEntropyLoss``."""
-
-
-class PatchEmbedding(_ModeLayer):
-    """``PatchEmbedding(img_size, patch_size, in_chans, embed_size)``: ViT stem with class token."""
-
-
-class Dropout(_ModeLayer):
-    """``Dropout(p)``: draws from the RNG state the mode's activation layout needs."""
-
-
-class CrossEntropyLoss(_ModeLayer):
-    """``CrossEntropyLoss()``: mean over the data-parallel rank's batch, whatever the mode."""
-
-
-def accuracy(logits, labels, ctx: ParallelContext | None = None):
-    """(correct, total) over this data-parallel rank's batch, reduced as the mode needs."""
-    return resolve("accuracy", ctx)(logits, labels, ctx)
-
-
-def split_batch(x, ctx: ParallelContext):
-    """This rank's part of a batch tensor under ``ctx``'s tensor mode (the engine calls this)."""
-    return resolve("split_batch", ctx)(x, ctx)
-
-
-def shared_input(ctx: ParallelContext | None = None) -> contextlib.AbstractContextManager:
-    """``with gt.nn.shared_input():`` Linears built inside read the same input (separate q, k,
-    v projections); under 1d they get the same split (see ``mode_1d_linear``). A no-op where
-    the mode needs no such hint."""
-    fn = getattr(mode_module(ctx), "shared_input", None)
-    return fn(ctx) if fn is not None else contextlib.nullcontext()
-
-
-def position_ids(seq_len: int, device=None, ctx: ParallelContext | None = None):
-    """Global positions of this rank's ``seq_len`` tokens, for position embeddings:
-    ``arange(seq_len)``, offset by the rank's shard where the mode splits the sequence."""
-    fn = getattr(mode_module(ctx), "position_ids", None)
-    if fn is not None:
-        return fn(seq_len, device, ctx)
-    import torch
-
-    return torch.arange(seq_len, device=device)
-
-
-def attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None, ctx=None):
-    """Softmax attention of ``[B, H, s, D]`` q, k, v; ``key_padding_mask`` ``[B, s]``, True = pad.
-
-    Ring self-attention under 'sequence' (``parallel.tensor.ring_attention`` picks the
-    variant); ``scaled_dot_product_attention`` on the local heads in every other mode.
-    """
-    from gridtrain.parallel.tensor.sequence import ring_attention
-
-    return ring_attention(q, k, v, causal, key_padding_mask, dropout_p, scale, ctx=ctx)
+def layer_for(
+    ctx: ParallelContext, name: str, kind: str, style: str, options: dict[str, Any]
+) -> tuple[Factory | None, dict[str, Any]]:
+    """(factory, options) for a layer of ``kind`` planned ``style`` under ``ctx``'s mode."""
+    table = TABLES.get(ctx.tensor_mode, {})
+    if style == "replicate" and kind != DROPOUT:
+        return None, {}
+    if kind == NORM and ctx.tensor_mode in ("1d", "sequence"):
+        return None, {}  # activations around norms are replicated (1d) or per-position
+    if kind == EMBEDDING and ctx.tensor_mode == "sequence":
+        return None, {}
+    entry = table.get((kind, style))
+    if entry is None:
+        if kind == LINEAR and ctx.tensor_mode == "sequence":
+            return None, {}
+        raise PlanError(
+            f"'{name}': style '{style}' does not apply to a {kind} layer under tensor mode "
+            f"{ctx.tensor_mode!r}"
+        )
+    factory, fixed = entry
+    return factory, {**fixed, **options}

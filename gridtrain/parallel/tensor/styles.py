@@ -16,5 +16,6 @@ STYLES = {
     "gather_output": "output Linear (LM head, classifier): full logits on every rank "
     "(2d/2.5d/3d: the mode's Classifier)",
     "norm": "LayerNorm / RMSNorm over the last dim, in the mode's layout",
+    "auto": "the mode's own layer (2d/2.5d/3d: every Linear is a SUMMA / cube Linear)",
     "replicate": "leave the module as it is (every rank holds it whole)",
 }

@@ -24,13 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode as PM
-from gridtrain.parallel.sharding import get_shard_spec, set_shard_spec, shard_tensor
-from gridtrain.parallel.tensor import dense
 
 _MODES = {
     "2d": (PM.PARALLEL_2D_ROW, PM.PARALLEL_2D_COL, None),
@@ -125,38 +123,14 @@ def gather_col(param: Tensor, dim: int, grid: SummaGrid) -> Tensor:
     return comm.all_gather(replicated(param, grid), dim, grid.col_group)
 
 
-# ---- building layer parameters on the grid ------------------------------------------------
 def grid_of(ctx: ParallelContext | None) -> SummaGrid:
-    """The grid of ``ctx``, or of the current context (the user-facing layers' fallback)."""
+    """The grid of ``ctx``, or of the current context."""
     return SummaGrid.of(ctx or get_context())
 
 
-def shard_param(full: Tensor, spec, grid: SummaGrid, device) -> nn.Parameter:
-    """This rank's shard of dense tensor ``full`` as a parameter tagged with ``spec``.
-
-    A meta ``full`` (under ``gt.lazy_init``) gives a meta shard, materialised later.
-    """
-    shard = shard_tensor(full.detach(), spec, grid.ctx)
-    if not shard.is_meta:
-        shard = shard.to(device or grid.ctx.device)
-    return set_shard_spec(nn.Parameter(shard), *spec)
-
-
-@torch.no_grad()
-def copy_from_twin(module: nn.Module, twin: nn.Module) -> None:
-    """Copy this rank's shard of each of the dense ``twin``'s parameters into ``module``.
-
-    A layer's ``reset_parameters`` builds a fresh twin (the dense init's draws) and
-    calls this, so ``gt.lazy_init`` materialises the same weights as a dense model.
-    """
-    for name, full in twin.named_parameters(recurse=False):
-        param = getattr(module, name)
-        param.copy_(shard_tensor(full, get_shard_spec(param), module.grid.ctx))
-
-
-def both_axes(dim: int, g: SummaGrid):
+def both_axes(dim: int, g: SummaGrid, packed: int = 1):
     """Split ``dim`` over grid columns, then each column's block over grid rows (1/q^2)."""
-    return ((dim, g.row_mode), (dim, g.col_mode))
+    return ((dim, g.row_mode, packed), (dim, g.col_mode))
 
 
 def check_width(layer: str, x: Tensor, width: int) -> None:
@@ -165,27 +139,6 @@ def check_width(layer: str, x: Tensor, width: int) -> None:
         raise ValueError(
             f"{layer}: input's last dim is {x.shape[-1]}, expected this rank's hidden block of {width}"
         )
-
-
-def classifier_weight(layer, weight, spec, in_features, num_classes, g: SummaGrid, dtype):
-    """A new ``[num_classes, in_features]`` weight cut by ``spec``, or a tied one checked against it."""
-    if weight is None:
-        twin = dense.Classifier(in_features, num_classes, bias=False, dtype=dtype)
-        return shard_param(twin.weight, spec, g, None)
-    if get_shard_spec(weight) != spec:
-        raise ValueError(
-            f"{layer}: a tied weight must be split {spec} (the matching embedding of this "
-            f"mode), got shard spec {get_shard_spec(weight)}"
-        )
-    want = list(
-        shard_tensor(torch.empty(num_classes, in_features, device="meta"), spec, g.ctx).shape
-    )
-    if list(weight.shape) != want:
-        raise ValueError(
-            f"{layer}: a tied weight of dense shape ({num_classes}, {in_features}) holds "
-            f"{tuple(want)} here, got {tuple(weight.shape)}"
-        )
-    return weight
 
 
 # ---- the three block products (non-differentiable; autograd wrappers below) ---------------

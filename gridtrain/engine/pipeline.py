@@ -11,16 +11,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gridtrain.config import ConfigError
+from gridtrain.engine.optimizer_rebind import rebind_optimizer
+from gridtrain.engine.schedules import (
+    InterleavedPipelineSchedule,
+    PipelineSchedule,
+    check_interleaved,
+)
 from gridtrain.parallel import comm, tags
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.pipeline.p2p import first_last_stage_group
 from gridtrain.parallel.pipeline.partition import PipelineStage, build_stage
-from gridtrain.parallel.pipeline.schedule import (
-    InterleavedPipelineSchedule,
-    PipelineSchedule,
-    check_interleaved,
-)
 from gridtrain.parallel.tags import is_pipeline_shared, pipeline_tie
 
 logger = logging.getLogger("gridtrain")
@@ -43,33 +44,6 @@ def check_pipeline_config(ctx: ParallelContext) -> tuple[int, int]:
         except ValueError as err:
             raise ConfigError(str(err)) from None
     return m, chunks
-
-
-def rebind_optimizer(
-    optimizer: Optimizer | None, new_of: dict[int, nn.Parameter]
-) -> Optimizer | None:
-    """Point ``optimizer`` at this stage's parameters only, in place.
-
-    ``new_of`` maps id(original parameter) -> the stage's parameter (itself, or
-    its materialised copy); parameters of other stages leave their groups (and
-    their state). Class, defaults and every group's settings stay, and so does
-    the object, so an LR scheduler built on it keeps driving it. Groups left
-    empty are kept so the number of groups does not change.
-    """
-    if optimizer is None:
-        return None
-    for group in optimizer.param_groups:
-        kept = []
-        for p in group["params"]:
-            q = new_of.get(id(p))
-            if q is None:
-                optimizer.state.pop(p, None)
-                continue
-            if q is not p and p in optimizer.state:
-                optimizer.state[q] = optimizer.state.pop(p)
-            kept.append(q)
-        group["params"] = kept
-    return optimizer
 
 
 def prepare_pipeline(
@@ -96,7 +70,7 @@ def prepare_pipeline(
     )
     if on_meta:
         _sync_tied_from_first_stage(stage, ctx)
-    optimizer = rebind_optimizer(optimizer, new_of)
+    optimizer = rebind_optimizer(optimizer, new_of, drop_missing=True)
     if chunks > 1:
         schedule = InterleavedPipelineSchedule(ctx, m, chunks, cfg.tensor_shape)
     else:
@@ -107,9 +81,7 @@ def prepare_pipeline(
 @torch.no_grad()
 def _sync_tied_from_first_stage(stage: nn.Module, ctx: ParallelContext) -> None:
     """Freshly materialised tied copies differ between first and last stage: take the first's."""
-    shared = sorted(
-        (p for p in stage.parameters() if is_pipeline_shared(p)), key=pipeline_tie
-    )
+    shared = sorted((p for p in stage.parameters() if is_pipeline_shared(p)), key=pipeline_tie)
     group = first_last_stage_group(ctx)
     if not shared or group is None:
         return

@@ -2,9 +2,9 @@
 
 ``split_batch`` gives rank (k, i, j) batch block ``k * q + i`` (Tesseract's
 row order; k = 0 under 2D). Logits arrive either gathered (``Classifier``:
-``[batch block, classes]`` on every rank of a grid row) or vocab-parallel
+``[batch block, classes]`` on every rank of a grid row) or vocab-sharded
 (``VocabParallelClassifier``: ``[batch block, vocab block j]``). The loss sums
-per-sample losses over the batch blocks (grid column and depth) and divides by
+per-token losses over the batch blocks (grid column and depth) and divides by
 the whole batch's count, so every rank of the tensor group reports the mean
 over its data-parallel rank's batch, and each rank back-propagates only its
 own block's share.
@@ -17,12 +17,11 @@ from torch import Tensor
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
-from gridtrain.parallel.tensor.summa import SummaGrid
-from gridtrain.parallel.tensor.vocab_loss import (
+from gridtrain.parallel.tensor.mode_2d.grid import SummaGrid
+from gridtrain.parallel.tensor.vocab import (
     GridCrossEntropyLoss,
-    is_vocab_parallel,
+    is_vocab_sharded,
     vocab_parallel_argmax,
-    vocab_parallel_nll,
 )
 
 
@@ -48,34 +47,25 @@ def _batch_sum(x: Tensor, g: SummaGrid, differentiable: bool) -> Tensor:
 
 
 class CrossEntropyLoss(GridCrossEntropyLoss):
-    """Cross entropy of blocked logits; the same value on every rank of the tensor group.
+    """Cross entropy of blocked logits; the same value on every rank of the tensor group."""
 
-    Takes ``nn.CrossEntropyLoss``'s arguments. Logits are ``[..., classes]`` with
-    labels ``[...]`` (this rank's batch block, from ``split_batch``). Vocab-parallel
-    logits are recognised from ``VocabParallelClassifier``'s tag (kept by views);
-    pass ``vocab_parallel=True`` for logits made from them by a copy (e.g. ``.float()``).
-    ``reduction="none"`` returns this rank's block of per-sample losses.
-    """
+    @property
+    def grid(self) -> SummaGrid:
+        return SummaGrid.of(self.ctx or get_context())
 
-    def _bind(self, ctx: ParallelContext) -> None:
-        self.grid = SummaGrid.of(ctx)
-
-    def _vocab_nll(self, logits: Tensor, labels: Tensor) -> Tensor:
-        # vocab blocks along the grid row; always computed in fp32 here
-        g = self.grid
-        return vocab_parallel_nll(logits.float(), labels, self.ignore_index, g.row_group, g.j)
+    def _vocab_group(self):
+        g = self.grid  # vocab blocks along the grid row
+        return g.row_group, g.j, g.q
 
     def _row_sum(self, x: Tensor, vocab_parallel: bool, differentiable: bool) -> Tensor:
         return _batch_sum(x, self.grid, differentiable)
 
 
 @torch.no_grad()
-def accuracy(
-    logits: Tensor, labels: Tensor, ctx: ParallelContext | None = None
-) -> tuple[Tensor, Tensor]:
+def accuracy(logits: Tensor, labels: Tensor, ctx: ParallelContext | None = None):
     """(correct, total) over this data-parallel rank's whole batch, on every rank of the group."""
     g = SummaGrid.of(ctx or get_context())
-    if is_vocab_parallel(logits):
+    if is_vocab_sharded(logits):
         pred = vocab_parallel_argmax(logits, g.row_group, g.j, g.q)
     else:
         pred = logits.argmax(dim=-1)

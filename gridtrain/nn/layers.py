@@ -1,0 +1,202 @@
+"""``gt.nn`` layers: plain modules; a hint (``gt_style``) says how the planner should cut them."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import Tensor, nn
+
+from gridtrain.parallel.context import ParallelContext, has_context
+from gridtrain.parallel.tensor import dense
+from gridtrain.parallel.tensor.modes import mode_module
+
+_SPLITS = {
+    ("column", False): "colwise",
+    ("column", True): "colwise_gather_output",
+    ("row", True): "rowwise",
+    ("row", False): "rowwise_split_input",
+}
+
+
+def _ignored_ctx(ctx) -> None:
+    if ctx is not None:
+        warnings.warn(
+            "gt.nn layers no longer take ctx=: gt.initialize shards them with the context's mode",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
+class Linear(nn.Linear):
+    """``nn.Linear``; optional hints for 1d: ``split="column"|"row"`` (or any plan style such
+    as ``"colwise"``), ``gather_output=`` (column), ``parallel_input=`` (row), ``packed=k``
+    (the output packs k equal blocks, e.g. fused q/k/v laid out ``[q | k | v]``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        split: str | None = None,
+        gather_output: bool | None = None,
+        parallel_input: bool | None = None,
+        packed: int | None = None,
+        ctx: ParallelContext | None = None,
+    ):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        _ignored_ctx(ctx)
+        style = _linear_style(split, gather_output, parallel_input, packed)
+        if style is not None:
+            self.gt_style = style
+        if packed:
+            self.gt_packed = packed
+
+
+def _linear_style(split, gather_output, parallel_input, packed) -> str | None:
+    if packed:
+        if split not in (None, "column", "packed_colwise") or gather_output:
+            raise ValueError("gt.nn.Linear: packed=k is a column split (no gather_output)")
+        return "packed_colwise"
+    if split is None:
+        if gather_output is not None and parallel_input is not None:
+            raise ValueError(
+                "gt.nn.Linear: gather_output (column-parallel) and parallel_input "
+                "(row-parallel) exclude each other; pass split='column' or split='row'"
+            )
+        if gather_output is not None:
+            split = "column"
+        elif parallel_input is not None:
+            split = "row"
+        else:
+            return None
+    if split in ("column", "row"):
+        if split == "column" and parallel_input is not None:
+            raise ValueError("gt.nn.Linear: parallel_input applies to split='row' only")
+        if split == "row" and gather_output is not None:
+            raise ValueError("gt.nn.Linear: gather_output applies to split='column' only")
+        flag = bool(gather_output) if split == "column" else parallel_input is not False
+        return _SPLITS[(split, flag)]
+    from gridtrain.parallel.tensor.plan import KIND_STYLES, LINEAR
+
+    if split not in KIND_STYLES[LINEAR]:
+        raise ValueError(
+            f"gt.nn.Linear: split must be 'column', 'row' or a Linear style "
+            f"({', '.join(KIND_STYLES[LINEAR])}), got {split!r}"
+        )
+    return split
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding``; under 1d its embedding dim is split (``embedding_colwise``)."""
+
+    gt_style = "embedding_colwise"
+
+    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ignored_ctx(ctx)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose vocabulary is split (``embedding_rowwise``)."""
+
+    gt_style = "embedding_rowwise"
+
+    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ignored_ctx(ctx)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (replicated under 1d, split over the grid under 2d/2.5d/3d)."""
+
+    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ignored_ctx(ctx)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm``, sharded like ``LayerNorm``."""
+
+
+class Dropout(nn.Dropout):
+    """``nn.Dropout``; draws each mask from the random stream its activations' layout needs."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, *, ctx=None, sharded=None):
+        super().__init__(p, inplace)
+        _ignored_ctx(ctx)
+
+
+class Classifier(dense.Classifier):
+    """A head whose logits every rank sees whole (``gather_output``); ``weight=`` ties it."""
+
+    gt_style = "gather_output"
+
+    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ignored_ctx(ctx)
+
+
+class VocabParallelClassifier(dense.Classifier):
+    """A head whose logits stay split over the classes (``vocab_parallel``); pair with
+    ``gt.nn.CrossEntropyLoss``, which never gathers them."""
+
+    gt_style = "vocab_parallel"
+
+    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _ignored_ctx(ctx)
+
+
+class PatchEmbedding(dense.PatchEmbedding):
+    """ViT stem: conv patches, class token, position embeddings (split like the hidden dim)."""
+
+
+class CrossEntropyLoss(nn.Module):
+    """``nn.CrossEntropyLoss``'s arguments; right for logits of any layout.
+
+    Under a tensor mode it is that mode's loss (gathered or vocab-sharded logits,
+    batch or sequence split): every rank reports the mean over its data-parallel
+    rank's batch, as the dense loss would. ``vocab_parallel`` forces the path for
+    vocab-sharded logits made without a marker. Class dim last, or at 1.
+    """
+
+    def __init__(
+        self,
+        weight: Tensor | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        *,
+        vocab_parallel: bool | None = None,
+        ctx: ParallelContext | None = None,
+    ):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.vocab_parallel = label_smoothing, vocab_parallel
+        self.ctx = ctx
+        self._impls: dict = {}
+        self._impl()  # checks the arguments now
+
+    def _impl(self) -> nn.Module:
+        ctx = self.ctx
+        if ctx is None and has_context():
+            from gridtrain.parallel.context import get_context
+
+            ctx = get_context()
+        key = id(ctx)
+        if key not in self._impls:
+            cls = mode_module(ctx).CrossEntropyLoss
+            self._impls[key] = cls(
+                self.weight, self.ignore_index, self.reduction, self.label_smoothing,
+                vocab_parallel=self.vocab_parallel, ctx=ctx,
+            )  # fmt: skip
+        impl = self._impls[key]
+        impl.weight = self.weight  # follows .to(device)
+        return impl
+
+    def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return self._impl()(logits, labels)

@@ -1,0 +1,317 @@
+"""Make the plan for a model and apply it: each planned layer replaced, in place, by its mode's
+sharded layer, under the same module path (so state dict keys stay the dense ones).
+
+``build_plan`` decides everything and checks it on meta copies of the layers
+(divisibility, ties, the data flow) before a single weight moves;
+``apply_plan`` then builds each sharded layer from the dense one's current
+weights and returns the old -> new parameter map the optimizer is rebound with.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tags import get_shard_spec
+from gridtrain.parallel.tensor.base import ShardedModule, describe_spec
+from gridtrain.parallel.tensor.layers import layer_for
+from gridtrain.parallel.tensor.plan import (
+    COL_SHARDED,
+    DROPOUT,
+    EMBEDDING,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    PATCH,
+    ROW,
+    TRACE_HOW,
+    Plan,
+    PlanEntry,
+    PlanError,
+    _bad_sinks,
+    infer_1d,
+    match_patterns,
+    orientations,
+    tracked_modules,
+)
+from gridtrain.parallel.tensor.trace import Flow, trace_flow
+
+logger = logging.getLogger("gridtrain")
+
+GRID_MODES = ("2d", "2.5d", "3d")
+HINT_ATTR = "gt_style"  # gt.nn layers carry their hinted style here
+
+
+def model_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own plan: Hugging Face's ``_tp_plan`` (full module paths), if any."""
+    plan = getattr(model, "_tp_plan", None) or getattr(model, "gt_tp_plan", None)
+    return dict(plan) if isinstance(plan, dict) else {}
+
+
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are meta tensors (no weights copied)."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> Plan:
+    """The plan of ``model`` under ``ctx``'s tensor mode (see ``plan.py``); raises ``PlanError``."""
+    mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
+    plan = Plan(mode, n)
+    if mode is None:
+        return plan
+    kinds = tracked_modules(model)
+    modules = dict(model.named_modules())
+    names = list(kinds)
+    given: dict[str, tuple[str, str]] = {}
+    cfg_plan = getattr(ctx.config.parallel.tensor, "plan", None) or {}
+    for name, style in match_patterns(cfg_plan, names, "parallel.tensor.plan", True).items():
+        given[name] = (style, "config")
+    for name in names:
+        hint = getattr(modules[name], HINT_ATTR, None)
+        if hint is not None and name not in given:
+            given[name] = (hint, "hint")
+    own = match_patterns(model_plan(model), names, f"{type(model).__name__}._tp_plan", False)
+    for name, style in own.items():
+        given.setdefault(name, (style, "model plan"))
+    _check_kinds(given, kinds)
+
+    flow = None
+    needs_flow = mode in GRID_MODES or any(kinds[m] == LINEAR and m not in given for m in names)
+    if mode != "sequence" and needs_flow:
+        if example is None:
+            missing = [m for m in names if kinds[m] == LINEAR and m not in given]
+            raise PlanError(
+                f"tensor mode {mode!r}: gridtrain traces the model's data flow to pick each "
+                f"layer's split but has no example input; pass example_inputs= (or a "
+                f"train_dataloader) to gt.initialize, or give styles in parallel.tensor.plan "
+                f"for {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
+        flow = trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()})
+
+    if mode == "1d":
+        fixed = {m: s for m, (s, _) in given.items()}
+        styles = infer_1d(kinds, fixed, flow, modules, n)
+        origin = {m: given[m][1] if m in given else styles[m][1] for m in names}
+        styles = {m: s for m, (s, _) in styles.items()}
+        if flow is not None:
+            _check_1d_flow(styles, kinds, flow)
+    elif mode in GRID_MODES:
+        styles, origin = _grid_styles(kinds, given, flow)
+    else:  # sequence: weights replicated, only dropout masks differ per rank
+        styles = {m: "replicate" for m in names}
+        origin = {m: "sequence: replicated" for m in names}
+
+    orient = orientations(kinds, flow) if mode == "3d" else {}
+    for name in names:
+        options: dict[str, Any] = {}
+        kind, style = kinds[name], styles[name]
+        if style == "packed_colwise":
+            options["packed"] = _packed_blocks(name, modules[name])
+        if mode == "3d" and kind != DROPOUT:
+            options["orientation"] = orient.get(name, 0)
+        if kind == DROPOUT and mode == "1d":
+            srcs = flow.sources.get(name, ()) if flow else ()
+            options["sharded"] = any(styles.get(s) in COL_SHARDED for s in srcs)
+        plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
+    _dry_run(plan, modules, ctx)
+    _resolve_ties(plan, model, modules, ctx)
+    if mode in GRID_MODES:
+        _check_all_params_planned(plan, model, mode)
+    return plan
+
+
+def _check_kinds(given: dict[str, tuple[str, str]], kinds: dict[str, str]) -> None:
+    from gridtrain.parallel.tensor.plan import KIND_STYLES
+
+    for name, (style, origin) in given.items():
+        allowed = KIND_STYLES[kinds[name]]
+        if style not in allowed:
+            raise PlanError(
+                f"{origin}: '{name}' is a {kinds[name]} layer; style '{style}' does not apply "
+                f"(allowed: {', '.join(allowed)})"
+            )
+
+
+def _packed_blocks(name: str, module: nn.Module) -> int:
+    from gridtrain.parallel.tensor.base import linear_dims
+
+    hinted = getattr(module, "gt_packed", None)
+    if hinted:
+        return int(hinted)
+    in_f, out_f, _ = linear_dims(module)
+    if out_f % in_f or out_f // in_f < 2:
+        raise PlanError(
+            f"'{name}': packed_colwise needs the number of packed blocks; out_features "
+            f"{out_f} is not a multiple of in_features {in_f} (set module.gt_packed = k)"
+        )
+    return out_f // in_f
+
+
+def _grid_styles(kinds, given, flow: Flow):
+    styles, origin = {}, {}
+    heads = flow.output_sources if flow else set()
+    defaults = {
+        EMBEDDING: "embedding_colwise",
+        NORM: "norm",
+        PATCH: "colwise",
+        DROPOUT: "replicate",
+    }
+    for name, kind in kinds.items():
+        if name in given and (kind != LINEAR or given[name][0] in GRID_GIVEN):
+            styles[name], origin[name] = given[name]
+        elif kind == LINEAR:
+            styles[name] = "gather_output" if name in heads else "auto"
+            origin[name] = "traced: a model output" if name in heads else "every Linear"
+        elif kind == OPAQUE:
+            raise PlanError(
+                f"'{name}' ({kinds[name]}) cannot run on 2d/2.5d/3d blocked activations"
+            )
+        else:
+            styles[name], origin[name] = defaults[kind], "default"
+    return styles, origin
+
+
+# given styles a 2d/3d Linear keeps (any other given style becomes the mode's Linear)
+GRID_GIVEN = ("gather_output", "colwise_gather_output", "vocab_parallel", "packed_colwise")
+
+
+def _check_1d_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> None:
+    """Column layers must be read by row layers, and row layers must read column layers."""
+    bad = _bad_sinks(kinds, flow)
+    for name in flow.order:
+        style = styles.get(name)
+        if kinds.get(name) != LINEAR:
+            continue
+        srcs = {s for s in flow.sources.get(name, ()) if kinds.get(s) == LINEAR}
+        if style in COL_SHARDED:
+            if name in bad:
+                raise PlanError(
+                    f"1d: '{name}' is {style} but its sharded output reaches a norm, a head or "
+                    "the model output without a row-parallel layer; make it "
+                    "colwise_gather_output or pair it with a rowwise layer"
+                )
+            for reader in flow.consumers(name):
+                if kinds.get(reader) == LINEAR and styles.get(reader) not in ROW:
+                    raise PlanError(
+                        f"1d: two column layers in a row: '{name}' ({style}) is read by "
+                        f"'{reader}' ({styles.get(reader)}); the reader must be rowwise"
+                    )
+        if style in ROW and srcs and not all(styles.get(s) in COL_SHARDED for s in srcs):
+            raise PlanError(
+                f"1d: '{name}' is rowwise but reads replicated outputs of "
+                f"{sorted(s for s in srcs if styles.get(s) not in COL_SHARDED)}; "
+                "use rowwise_split_input or make those colwise"
+            )
+
+
+def _dry_run(plan: Plan, modules: dict[str, nn.Module], ctx: ParallelContext) -> None:
+    """Build every sharded layer from a meta copy: checks divisibility, records shard shapes."""
+    for name, entry in plan.entries.items():
+        factory, options = layer_for(ctx, name, entry.kind, entry.style, entry.options)
+        entry.shards, entry.specs, entry.layer = {}, {}, ""
+        if factory is None:
+            continue
+        try:
+            layer = factory(meta_twin(modules[name]), ctx, **options)
+        except (ValueError, TypeError) as err:
+            raise PlanError(f"'{name}' as {entry.style}: {err}") from None
+        entry.layer = type(layer).__name__
+        dense = dict(modules[name].named_parameters(recurse=False))
+        for pname, p in layer.named_parameters(recurse=False):
+            if pname in dense:
+                entry.shards[pname] = (tuple(dense[pname].shape), tuple(p.shape))
+        entry.specs = {n: get_shard_spec(p) for n, p in layer.named_parameters(recurse=False)}
+
+
+def _resolve_ties(plan: Plan, model: nn.Module, modules, ctx: ParallelContext) -> None:
+    """Weights shared by two planned layers must be cut the same way in both."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    for name in plan.entries:
+        for pname, p in modules[name].named_parameters(recurse=False):
+            users.setdefault(id(p), []).append((name, pname))
+    for shared in users.values():
+        if len(shared) < 2:
+            continue
+        first, first_p = shared[0]
+        want = plan[first].specs.get(first_p, ())
+        for name, pname in shared[1:]:
+            entry = plan[name]
+            if entry.specs.get(pname, ()) == want:
+                continue
+            if entry.origin in ("config", "hint") or entry.kind != LINEAR:
+                raise PlanError(_tie_error(plan, first, first_p, name, pname, want))
+            for style in _TIE_ALTERNATIVES[ctx.tensor_mode]:
+                entry.style, entry.origin = style, f"tied to {first}.{first_p}"
+                _dry_run(Plan(plan.mode, plan.size, {name: entry}), modules, ctx)
+                if entry.specs.get(pname, ()) == want:
+                    break
+            else:
+                raise PlanError(_tie_error(plan, first, first_p, name, pname, want))
+
+
+_TIE_ALTERNATIVES = {
+    "1d": ("colwise_gather_output", "rowwise_split_input", "vocab_parallel", "replicate"),
+    "2d": ("gather_output", "vocab_parallel"),
+    "2.5d": ("gather_output", "vocab_parallel"),
+    "3d": ("gather_output", "vocab_parallel"),
+    "sequence": ("replicate",),
+}
+
+
+def _tie_error(plan, first, first_p, name, pname, want) -> str:
+    return (
+        f"'{name}.{pname}' is tied to '{first}.{first_p}', which is split "
+        f"{describe_spec(want)} as {plan[first].style}; no style of '{name}' cuts it the "
+        "same way: choose matching styles in parallel.tensor.plan"
+    )
+
+
+def _check_all_params_planned(plan: Plan, model: nn.Module, mode: str) -> None:
+    covered = {
+        id(p)
+        for name, e in plan.entries.items()
+        if e.layer
+        for p in model.get_submodule(name).parameters()
+    }
+    loose = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if loose:
+        raise PlanError(
+            f"tensor mode {mode!r} blocks every activation over the grid, so every parameter "
+            f"must belong to a layer gridtrain shards (Linear, Embedding, a norm, "
+            f"gt.nn.PatchEmbedding); these do not: {loose[:8]}"
+        )
+
+
+def apply_plan(model: nn.Module, plan: Plan, ctx: ParallelContext) -> dict[int, nn.Parameter]:
+    """Replace every planned layer of ``model`` in place; returns id(old param) -> new param."""
+    new_of: dict[int, nn.Parameter] = {}
+    built: list[ShardedModule] = []
+    for name, entry in plan.entries.items():
+        factory, options = layer_for(ctx, name, entry.kind, entry.style, entry.options)
+        if factory is None:
+            continue
+        dense = model.get_submodule(name)
+        old = dict(dense.named_parameters(recurse=False))
+        layer = factory(dense, ctx, **options)
+        for pname, p in old.items():
+            if id(p) in new_of:
+                layer.tie(pname, new_of[id(p)])
+            elif getattr(layer, pname, None) is not None:
+                new_of[id(p)] = getattr(layer, pname)
+        model.set_submodule(name, layer)
+        if isinstance(layer, ShardedModule):
+            built.append(layer)
+    for layer in built:
+        layer.release_dense()
+    logger.info("tensor plan applied: %d layers replaced", len(built))
+    return new_of

@@ -1,0 +1,155 @@
+"""Which layer's output reaches which layer's input: the model's data flow, traced once on meta.
+
+The planner needs, for every Linear, the Linears whose outputs it reads (a
+Linear reading a column-parallel Linear's output is row-parallel) and whether
+its own output reaches a norm or the model's output (then it cannot stay
+sharded); under 3d it needs the same to know each layer's orientation. This
+module runs the model's forward once with every parameter, buffer and input
+replaced by a meta tensor (``torch.func.functional_call``: no memory, no
+compute) under a ``TorchFunctionMode`` that tags every tensor with its
+*sources*: the tracked layers whose outputs flowed into it through any chain of
+untracked operations (attention, activations, residual adds, reshapes).
+A tracked layer's output starts a fresh source set: ``{itself}`` for a Linear,
+empty for an embedding, its input's sources for a norm or dropout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# how a tracked layer's output relates to its input's sources
+FRESH, PASS, SELF = "fresh", "pass", "self"
+
+
+@dataclass
+class Flow:
+    """The traced data flow between the tracked layers (names are module paths)."""
+
+    order: list[str] = field(default_factory=list)  # tracked layers in first-call order
+    sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> SELF-layers it reads
+    output_sources: set[str] = field(default_factory=set)  # SELF-layers reaching the output
+
+    def consumers(self, name: str) -> list[str]:
+        """Tracked layers that read ``name``'s output, in call order."""
+        return [m for m in self.order if name in self.sources.get(m, ())]
+
+
+class _Tagger(TorchFunctionMode):
+    """Unions the source sets of every tensor argument into every tensor result."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags: dict[int, tuple[Tensor, frozenset[str]]] = {}
+
+    def get(self, t: Any) -> frozenset[str]:
+        entry = self.tags.get(id(t)) if isinstance(t, Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else frozenset()
+
+    def set(self, t: Tensor, sources: frozenset[str]) -> None:
+        self.tags[id(t)] = (t, sources)  # the tensor is kept alive, so ids stay unique
+
+    def sources_of(self, obj: Any) -> frozenset[str]:
+        leaves, _ = tree_flatten(obj)
+        out: frozenset[str] = frozenset()
+        for leaf in leaves:
+            out |= self.get(leaf)
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        sources = self.sources_of((args, kwargs))
+        if sources:
+            for leaf in tree_flatten(result)[0]:
+                if isinstance(leaf, Tensor):
+                    self.set(leaf, self.get(leaf) | sources)
+        return result
+
+
+def _to_meta(obj: Any) -> Any:
+    return tree_map(
+        lambda t: t.to("meta") if isinstance(t, Tensor) else t,
+        obj,
+    )
+
+
+def trace_flow(
+    model: nn.Module,
+    example: Any,
+    tracked: dict[str, str],
+) -> Flow:
+    """Run ``model`` on ``example`` (args tuple, kwargs dict or one tensor) on meta.
+
+    ``tracked`` maps module path -> FRESH | PASS | SELF (how its output's sources are set).
+    Raises RuntimeError (with the model's error) when the forward cannot run on meta.
+    """
+    flow, tagger = Flow(), _Tagger()
+    modules = dict(model.named_modules())
+    hooks = []
+
+    def pre(name: str) -> Callable:
+        def hook(module, args, kwargs):
+            if name not in flow.sources:
+                flow.order.append(name)
+                flow.sources[name] = set()
+            flow.sources[name] |= set(tagger.sources_of((args, kwargs)))
+
+        return hook
+
+    def post(name: str, how: str) -> Callable:
+        def hook(module, args, kwargs, output):
+            fresh = {FRESH: frozenset(), SELF: frozenset({name})}
+            sources = fresh.get(how, tagger.sources_of((args, kwargs)))
+            for leaf in tree_flatten(output)[0]:
+                if isinstance(leaf, Tensor):
+                    tagger.set(leaf, sources)
+
+        return hook
+
+    for name, how in tracked.items():
+        module = modules[name]
+        hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+        hooks.append(module.register_forward_hook(post(name, how), with_kwargs=True))
+    state = {k: v.to("meta") for k, v in _state(model)}
+    args, kwargs = _as_call(_to_meta(example))
+    try:
+        with _no_grad_meta(), tagger:
+            out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+        flow.output_sources = set(tagger.sources_of(out))
+    except Exception as err:  # noqa: BLE001 - the model's own error, re-raised with advice
+        raise RuntimeError(
+            f"tracing {type(model).__name__}'s data flow on the meta device failed "
+            f"({type(err).__name__}: {err}); give the layer styles in parallel.tensor.plan "
+            "instead"
+        ) from err
+    finally:
+        for h in hooks:
+            h.remove()
+    return flow
+
+
+def _state(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from model.named_parameters()  # tied weights once: functional_call re-ties them
+    yield from model.named_buffers()
+
+
+def _as_call(example: Any) -> tuple[tuple, dict]:
+    if isinstance(example, dict):
+        return (), example
+    if isinstance(example, tuple | list):
+        return tuple(example), {}
+    return (example,), {}
+
+
+@contextlib.contextmanager
+def _no_grad_meta() -> Iterator[None]:
+    with torch.no_grad(), torch.device("meta"):
+        yield

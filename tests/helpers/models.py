@@ -1,0 +1,86 @@
+"""Models the tests share: written in plain PyTorch (no gridtrain layers), small enough for CPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Causal self-attention over whichever heads this rank's projections hold.
+
+    ``fused``: one ``qkv`` Linear laid out ``[q | k | v]`` (needs ``packed_colwise`` under
+    1d, as Hugging Face's GPT-2); else separate ``q``, ``k``, ``v`` projections.
+    """
+
+    def __init__(self, hidden: int, heads: int, fused: bool = False):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.fused = fused
+        if fused:
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+        else:
+            self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        if self.fused:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, fused: bool = False):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, fused)
+        self.fc, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Token and position embeddings, ``layers`` pre-norm blocks, a final norm and an LM head
+    (tied to the token embedding when ``tie``). ``pipeline_layers()`` lists the cut points."""
+
+    def __init__(
+        self,
+        vocab: int = 64,
+        hidden: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        seq: int = 16,
+        tie: bool = False,
+        fused: bool = False,
+    ):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads, fused) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        if tie:
+            self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tiny_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
+    """``steps`` (ids, next-token labels) pairs drawn from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
