@@ -29,13 +29,13 @@ def tiny_net(hidden: int = 32, dropout: float = 0.0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def dense_state(seed: int = 0, hidden: int = 32) -> dict[str, torch.Tensor]:
+def dense_state(seed: int = 0, hidden: int = 32, dropout: float = 0.0) -> dict[str, torch.Tensor]:
     """The dense model's state dict (built with no context, whatever is current)."""
     saved = get_context() if has_context() else None
     set_context(None)
     try:
         torch.manual_seed(seed)
-        return {k: v.clone() for k, v in tiny_net(hidden).state_dict().items()}
+        return {k: v.clone() for k, v in tiny_net(hidden, dropout).state_dict().items()}
     finally:
         set_context(saved)
 

@@ -156,28 +156,65 @@ def _lr_scheduler(trainer: Trainer) -> Any:
     return trainer.states.get("lr_scheduler") or getattr(trainer.engine, "lr_scheduler", None)
 
 
-def checkpoint_path(checkpoint_dir: str | Path, epoch: int, suffix: str = "") -> Path:
-    """Where ``SaveCheckpointHook`` writes the checkpoint taken after ``epoch`` epochs."""
-    return Path(checkpoint_dir) / f"epoch_{epoch}{suffix}.pt"
+def checkpoint_path(
+    checkpoint_dir: str | Path, epoch: int, suffix: str = "", sharded: bool = False
+) -> Path:
+    """Where ``SaveCheckpointHook`` writes the checkpoint taken after ``epoch`` epochs: the
+    directory ``epoch_<n><suffix>`` (sharded) or the file ``epoch_<n><suffix>.pt`` (dense)."""
+    name = f"epoch_{epoch}{suffix}"
+    return Path(checkpoint_dir) / (name if sharded else f"{name}.pt")
+
+
+def epoch_checkpoints(checkpoint_dir: str | Path, suffix: str = "") -> dict[int, Path]:
+    """Complete checkpoints named ``epoch_<n><suffix>`` (either format) by epoch; where both
+    formats exist for one epoch, the newer."""
+    from gridtrain.engine.checkpoint import files
+
+    pattern = re.compile(rf"epoch_(\d+){re.escape(suffix)}(\.pt)?")
+    found: dict[int, tuple[int, Path]] = {}
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        return {}
+    for path in directory.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match is None:
+            continue
+        if match.group(2) is None and files.is_complete_dir(path):
+            stamp = (path / files.MARKER).stat().st_mtime_ns
+        elif match.group(2) is not None and files.is_dense_file(path):
+            stamp = path.stat().st_mtime_ns
+        else:
+            continue
+        epoch = int(match.group(1))
+        if epoch not in found or stamp > found[epoch][0]:
+            found[epoch] = (stamp, path)
+    return {epoch: path for epoch, (_, path) in found.items()}
 
 
 def latest_checkpoint_epoch(checkpoint_dir: str | Path, suffix: str = "") -> int | None:
-    """The largest epoch with a checkpoint in ``checkpoint_dir``, or None."""
-    pattern = re.compile(rf"epoch_(\d+){re.escape(suffix)}\.pt")
-    epochs = [
-        int(m.group(1))
-        for p in Path(checkpoint_dir).glob("epoch_*.pt")
-        if (m := pattern.fullmatch(p.name))
-    ]
+    """The largest epoch with a complete checkpoint (either format) in ``checkpoint_dir``."""
+    epochs = epoch_checkpoints(checkpoint_dir, suffix)
     return max(epochs) if epochs else None
 
 
-class SaveCheckpointHook(BaseHook):
-    """Saves model, optimizer and LR scheduler every ``interval`` epochs (and after the
-    last one) to ``checkpoint_dir/epoch_<n><suffix>.pt``, n = epochs completed.
+def _counters(trainer: Trainer) -> dict[str, Any]:
+    """What a resume needs besides model and optimizer (saved as the checkpoint's ``extra``)."""
+    return {
+        "trainer": {"cur_epoch": trainer.cur_epoch, "cur_step": trainer.cur_step},
+        "engine": {"global_step": getattr(trainer.engine, "global_step", 0)},
+    }
 
-    Calls ``gridtrain.save_checkpoint`` on every rank (it gathers the full,
-    layout-free state dict collectively and writes once).
+
+class SaveCheckpointHook(BaseHook):
+    """Saves model, optimizer, LR scheduler, RNG states and the trainer's counters every
+    ``interval`` epochs (and after the last one), n = epochs completed, to
+    ``checkpoint_dir/epoch_<n><suffix>`` (``sharded=True``, the default: every rank writes
+    its own shards through DCP) or ``checkpoint_dir/epoch_<n><suffix>.pt`` (``sharded=False``:
+    one dense file written by rank 0). ``async_save=True`` (sharded) writes in the
+    background while training goes on; the hook waits for the last save after training.
+
+    Each checkpoint appears only when complete, so ``LoadCheckpointHook(path="auto")``
+    after a crash resumes from the newest one.
     """
 
     def __init__(
@@ -186,32 +223,40 @@ class SaveCheckpointHook(BaseHook):
         checkpoint_dir: str | Path = "checkpoints",
         suffix: str = "",
         priority: int = 10,
+        sharded: bool = True,
+        async_save: bool = False,
     ):
         super().__init__(priority)
         if interval < 1:
             raise ValueError(f"SaveCheckpointHook interval must be >= 1, got {interval}")
+        if async_save and not sharded:
+            raise ValueError("SaveCheckpointHook: async_save=True needs sharded=True")
         self.interval = interval
         self.checkpoint_dir = Path(checkpoint_dir)
         self.suffix = suffix
+        self.sharded = sharded
+        self.async_save = async_save
         self.saved: list[Path] = []
+        self._pending = None
 
     def _save(self, trainer: Trainer) -> None:
         from gridtrain.engine.checkpoint import save_checkpoint
 
-        path = checkpoint_path(self.checkpoint_dir, trainer.cur_epoch, self.suffix)
-        if trainer.ctx.global_rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        path = checkpoint_path(self.checkpoint_dir, trainer.cur_epoch, self.suffix, self.sharded)
         engine = trainer.engine
-        save_checkpoint(
+        self._pending = save_checkpoint(
             path,
             trainer.cur_epoch,
             engine.model,
             engine.optimizer,
             _lr_scheduler(trainer),
+            sharded=self.sharded,
+            async_save=self.async_save,
+            extra=_counters(trainer),
         )
         self.saved.append(path)
         if trainer.ctx.global_rank == 0:
-            logger.info("saved checkpoint %s", path)
+            logger.info("%s checkpoint %s", "saving" if self._pending else "saved", path)
 
     def after_train_epoch(self, trainer: Trainer) -> None:
         # trainer.cur_epoch already counts the epoch that just ended
@@ -221,14 +266,23 @@ class SaveCheckpointHook(BaseHook):
     def after_train(self, trainer: Trainer) -> None:
         if trainer.cur_epoch % self.interval != 0 and trainer.cur_step > 0:
             self._save(trainer)
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
 
 class LoadCheckpointHook(BaseHook):
-    """Before training, loads ``checkpoint_dir``'s checkpoint of ``epoch`` (None: the
-    latest) into the model, optimizer and LR scheduler, and resumes the trainer's
-    epoch and step counters from it. ``finetune=True`` loads the model only and
-    starts counting from zero. Runs first (priority 0) so later hooks see the
-    restored state.
+    """Before training, loads a checkpoint into the model, optimizer, LR scheduler and RNG
+    states and resumes the trainer's epoch and step counters from it:
+
+    * ``path="auto"``: the newest complete checkpoint in ``checkpoint_dir`` (any name, either
+      format), or none: training starts from scratch (a script that restarts after a crash);
+    * ``path=<file or directory>``: that checkpoint;
+    * otherwise ``checkpoint_dir``'s ``epoch_<epoch><suffix>`` checkpoint (either format;
+      ``epoch=None``: the largest epoch there), an error if there is none.
+
+    ``finetune=True`` loads the model only and starts counting from zero. Runs first
+    (priority -10) so later hooks see the restored state.
     """
 
     def __init__(
@@ -238,39 +292,62 @@ class LoadCheckpointHook(BaseHook):
         finetune: bool = False,
         suffix: str = "",
         priority: int = -10,
+        path: str | Path | None = None,
     ):
         super().__init__(priority)
         self.checkpoint_dir = Path(checkpoint_dir)
         self.epoch = epoch
         self.finetune = finetune
         self.suffix = suffix
+        self.path = path
         self.loaded_epoch: int | None = None
+        self.loaded_path: Path | None = None
+
+    def _find(self) -> Path | None:
+        from gridtrain.engine.checkpoint import latest_checkpoint
+
+        if self.path == "auto":
+            return latest_checkpoint(self.checkpoint_dir)
+        if self.path is not None:
+            return Path(self.path)
+        epochs = epoch_checkpoints(self.checkpoint_dir, self.suffix)
+        if self.epoch is None:
+            if not epochs:
+                raise FileNotFoundError(
+                    f"LoadCheckpointHook: no epoch_<n>{self.suffix} checkpoint in "
+                    f"checkpoint_dir '{self.checkpoint_dir}'"
+                )
+            return epochs[max(epochs)]
+        if self.epoch not in epochs:
+            raise FileNotFoundError(
+                f"LoadCheckpointHook: checkpoint for epoch {self.epoch} not found at "
+                f"'{checkpoint_path(self.checkpoint_dir, self.epoch, self.suffix, True)}' or "
+                f"'{checkpoint_path(self.checkpoint_dir, self.epoch, self.suffix)}'"
+            )
+        return epochs[self.epoch]
 
     def before_train(self, trainer: Trainer) -> None:
         from gridtrain.engine.checkpoint import load_checkpoint
 
-        epoch = self.epoch
-        if epoch is None:
-            epoch = latest_checkpoint_epoch(self.checkpoint_dir, self.suffix)
-            if epoch is None:
-                raise FileNotFoundError(
-                    f"LoadCheckpointHook: no epoch_<n>{self.suffix}.pt checkpoint in "
-                    f"checkpoint_dir '{self.checkpoint_dir}'"
-                )
-        path = checkpoint_path(self.checkpoint_dir, epoch, self.suffix)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"LoadCheckpointHook: checkpoint for epoch {epoch} not found at '{path}'"
-            )
+        path = self._find()
+        if path is None:
+            if trainer.ctx.global_rank == 0:
+                logger.info("no checkpoint in %s: training from scratch", self.checkpoint_dir)
+            return
         engine = trainer.engine
         if self.finetune:
             load_checkpoint(path, engine.model)
             return
+        extra: dict[str, Any] = {}
         self.loaded_epoch = load_checkpoint(
-            path, engine.model, engine.optimizer, _lr_scheduler(trainer)
+            path, engine.model, engine.optimizer, _lr_scheduler(trainer), extra=extra
         )
-        trainer.cur_epoch = self.loaded_epoch
-        trainer.cur_step = self.loaded_epoch * trainer.steps_per_epoch
+        self.loaded_path = path
+        counters = extra.get("trainer", {})
+        trainer.cur_epoch = counters.get("cur_epoch", self.loaded_epoch)
+        trainer.cur_step = counters.get("cur_step", self.loaded_epoch * trainer.steps_per_epoch)
+        if "engine" in extra and hasattr(engine, "global_step"):
+            engine.global_step = extra["engine"]["global_step"]
         if trainer.ctx.global_rank == 0:
             logger.info("resumed from %s (epoch %d)", path, self.loaded_epoch)
 
@@ -281,5 +358,6 @@ __all__ = [
     "LoadCheckpointHook",
     "SaveCheckpointHook",
     "checkpoint_path",
+    "epoch_checkpoints",
     "latest_checkpoint_epoch",
 ]
