@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import MLP, dense_state, global_batches, sharded_model
-from harness import run_distributed
+from helpers.engine_models import D_IN, MLP, dense_state, global_batches
+from helpers.harness import run_distributed
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt
@@ -32,32 +32,35 @@ def _steps(engine, batches):
     losses = []
     for x, y in batches:
         engine.zero_grad()
-        loss = engine.compute_loss(engine.forward_split(x), y)
+        loss = engine.criterion(engine(x), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     return losses
 
 
-def _build(ctx, seed, sharded):
-    state = dense_state(seed)
-    if sharded:
-        model = sharded_model(ctx, state)
-    else:
-        model = MLP()
-        model.load_state_dict(state)
+def _build(ctx, seed):
+    """The dense MLP from ``seed``'s weights; the engine shards it as the config says."""
+    model = MLP()
+    model.load_state_dict(dense_state(seed))
     opt = _adam(model.parameters())
-    engine, _, _, sched = gt.initialize(model, opt, criterion=F.mse_loss, lr_scheduler=_sched(opt))
+    engine, _, _, sched = gt.initialize(
+        model,
+        opt,
+        criterion=F.mse_loss,
+        lr_scheduler=_sched(opt),
+        example_inputs=torch.zeros(8, D_IN),  # traced to plan the splits
+    )
     return engine, sched
 
 
 def _round_trip(ctx, path):
     batches = global_batches(4, 8)
-    engine, sched = _build(ctx, 0, sharded=True)
+    engine, sched = _build(ctx, 0)
     _steps(engine, batches[:3])
     gt.save_checkpoint(path, 7, engine.model, engine.optimizer, sched)
     saved_opt = dense_optimizer_state(engine.optimizer, engine.model, ctx)
-    fresh, fresh_sched = _build(ctx, 123, sharded=True)  # different weights before loading
+    fresh, fresh_sched = _build(ctx, 123)  # different weights before loading
     epoch = gt.load_checkpoint(path, fresh.model, fresh.optimizer, fresh_sched)
     loaded_opt = dense_optimizer_state(fresh.optimizer, fresh.model, ctx)
     a, b = gt.full_state_dict(fresh.model), gt.full_state_dict(engine.model)
@@ -77,7 +80,7 @@ def _round_trip(ctx, path):
 
 
 def _load_dense(ctx, path):
-    engine, sched = _build(ctx, 5, sharded=False)
+    engine, sched = _build(ctx, 5)
     epoch = gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
     return epoch, dense_optimizer_state(engine.optimizer, engine.model, ctx)
 
@@ -110,7 +113,7 @@ def _train_epochs(ctx, path, fp16, epochs, resume_from, sharded=False):
     g = torch.Generator().manual_seed(3)
     dataset = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g))
     loader = gt.data.get_dataloader(dataset, batch_size=4, shuffle=True, seed=11)
-    engine, sched = _build(ctx, 0 if resume_from is None else 99, sharded=False)
+    engine, sched = _build(ctx, 0 if resume_from is None else 99)
     start = (
         0
         if resume_from is None

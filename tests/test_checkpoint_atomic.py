@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import free_port, run_distributed
+from helpers.harness import free_port, run_distributed
 
 from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
 

@@ -7,8 +7,8 @@ import os
 import time
 
 import torch
-from checkpoint_helpers import D_IN, N_CLASSES, batches, build, dense_state, step
-from harness import run_distributed
+from helpers.checkpoint_models import D_IN, N_CLASSES, batches, build, dense_state, step
+from helpers.harness import run_distributed
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt

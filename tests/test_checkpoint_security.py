@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 from gridtrain.engine.checkpoint import files, load_checkpoint, save_checkpoint
 

@@ -15,13 +15,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import batches, build, dense_run, dense_state, load_and_continue, step
-from harness import run_distributed
+from helpers.checkpoint_models import (
+    batches,
+    build,
+    dense_run,
+    dense_state,
+    load_and_continue,
+    step,
+)
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
 from gridtrain.engine.checkpoint.dense import dense_optimizer_state
 from gridtrain.engine.checkpoint.sharded import _SafeReader
+from gridtrain.parallel.sharding import shard_tensor
+from gridtrain.parallel.tags import set_shard_spec
 
 TIMEOUT = 300
 LAYOUTS = {
@@ -115,6 +124,51 @@ def test_written_bytes_are_one_copy_of_the_state(tmp_path):
     assert 0 < framing < 4096 and ratio < 1.3, sizes
     # spread: the dedup hands each replicated chunk to the replica writing least
     assert sum(1 for s in sizes.values() if s > 0.05 * one_copy) >= 4, sizes
+
+
+# ---- packed blocks (fused q/k/v) -----------------------------------------------------------------
+class _Fused(torch.nn.Module):
+    """A fused q/k/v weight: each of the 3 packed blocks is split over TENSOR (3 chunks a rank)."""
+
+    def __init__(self, ctx, dense):
+        super().__init__()
+        spec = ((0, gt.ParallelMode.TENSOR, 3),)
+        self.qkv = torch.nn.Parameter(shard_tensor(dense, spec, ctx))
+        set_shard_spec(self.qkv, *spec)
+
+
+def _fused_save(ctx, dense, path):
+    model = _Fused(ctx, dense)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    (model.qkv * (ctx.global_rank + 1)).sum().backward()
+    opt.step()
+    save_checkpoint(path, 1, model, opt, sharded=True)
+    return gt.full_state_dict(model, ctx), dense_optimizer_state(opt, model, ctx)["state"]
+
+
+def _fused_load(ctx, path):
+    model = _Fused(ctx, torch.zeros(24, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    load_checkpoint(path, model, opt)
+    return gt.full_state_dict(model, ctx), dense_optimizer_state(opt, model, ctx)["state"]
+
+
+def test_packed_blocks_are_saved_as_one_chunk_per_block_and_reshard(tmp_path):
+    path = str(tmp_path / "fused")
+    tp = lambda n: dict(parallel=dict(tensor=dict(size=n, mode="1d")))  # noqa: E731
+    dense = torch.randn(24, 8, generator=torch.Generator().manual_seed(0))
+    saved, saved_opt = run_distributed(_fused_save, 2, dense, path, config=tp(2), timeout=TIMEOUT)[
+        0
+    ]
+    chunks = _SafeReader(path).read_metadata().state_dict_metadata["model/qkv"].chunks
+    assert sorted(c.offsets[0] for c in chunks) == [0, 4, 8, 12, 16, 20], "3 blocks x 2 ranks"
+    for world in (4, 1):
+        for got, got_opt in run_distributed(
+            _fused_load, world, path, config=tp(world), timeout=TIMEOUT
+        ):
+            assert torch.equal(got["qkv"], saved["qkv"]), world
+            for key, value in saved_opt["qkv"].items():
+                assert torch.equal(torch.as_tensor(got_opt["qkv"][key]), torch.as_tensor(value))
 
 
 # ---- expert shards -----------------------------------------------------------------------------

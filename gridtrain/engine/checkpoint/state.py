@@ -107,22 +107,19 @@ def shard_chunks(
             seg for b in range(parts) for seg in _take(ranges[dim], b * block + r * piece, piece)
         ]
     per_dim = []
-    for dim_ranges in ranges:
-        local = list(itertools.accumulate([0] + [size for _, size in dim_ranges[:-1]]))
+    for dim, dim_ranges in enumerate(ranges):
+        if sum(size for _, size in dim_ranges) != local_shape[dim]:
+            raise ValueError(f"shard spec {spec} does not fit a shard of shape {local_shape}")
+        local = itertools.accumulate([0] + [size for _, size in dim_ranges[:-1]])
         per_dim.append([(g, lo, size) for (g, size), lo in zip(dim_ranges, local)])
-    chunks = [
-        tuple(zip(*combo)) if combo else ((), (), ()) for combo in itertools.product(*per_dim)
-    ]
-    for _, _, sizes in chunks:
-        if any(s <= 0 for s in sizes) and local_shape and all(s > 0 for s in local_shape):
-            raise ValueError(f"shard spec {spec} cuts a dim of {local_shape} to nothing")
-    return tuple(dense), [tuple(map(tuple, c)) for c in chunks]
+    chunks = [tuple(tuple(axis) for axis in zip(*combo)) for combo in itertools.product(*per_dim)]
+    return tuple(dense), [c if c else ((), (), ()) for c in chunks]
 
 
 def chunk_view(t: Tensor, spec: ShardSpec, ctx: ParallelContext) -> Tensor:
     """``t`` (same storage) described to DCP as chunks of the dense tensor.
 
-    We use DCP's ``CheckpointableTensor`` protocol (torch >= 2.12): a plain local
+    We use DCP's ``CheckpointableTensor`` protocol (new in the pinned torch 2.14): a plain local
     tensor carrying ``global_shape`` and, per chunk, its global offsets, its
     offsets inside the local tensor and its sizes. DTensor cannot express our
     splits (a 3d weight is cut twice along one dim by two groups, a fused q/k/v

@@ -54,7 +54,10 @@ def build(ctx, state=None, hidden: int = 32, dropout: float = 0.0, lr: float = 1
     model = tiny_net(hidden, dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    engine, *_ = gt.initialize(model, opt, gnn.CrossEntropyLoss(), lr_scheduler=sched)
+    example = torch.zeros(BATCH, D_IN)  # the engine traces the data flow to plan the splits
+    engine, *_ = gt.initialize(
+        model, opt, gnn.CrossEntropyLoss(), lr_scheduler=sched, example_inputs=example
+    )
     if state is not None:
         gt.load_full_state_dict(engine.model, state, ctx)
     engine.train()
