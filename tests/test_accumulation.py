@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import MLP, dense_state, dense_train, global_batches, rank_slice, sgd
-from harness import run_distributed
+from helpers.engine_models import MLP, dense_state, dense_train, global_batches, rank_slice, sgd
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import (
+from helpers.engine_models import (
     MLP,
     dense_state,
     dense_train,
@@ -11,7 +11,7 @@ from engine_helpers import (
     sgd,
     sharded_model,
 )
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.amp import AMP_TYPE

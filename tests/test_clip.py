@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_helpers import dense_state, dense_train, global_batches, rank_slice, sgd, sharded_model
-from harness import run_distributed
+from helpers.engine_models import dense_state, dense_train, global_batches, rank_slice, sgd, sharded_model
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.engine.clip import global_grad_norm

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.parallel import comm

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt

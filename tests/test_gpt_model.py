@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

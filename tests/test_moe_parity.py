@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -92,7 +92,7 @@ def _train(ctx, state, batches, cfg=CFG):
     gt.load_full_state_dict(model, state)
     crit = MoeCriterion(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    engine, *_ = gt.initialize(model, opt, criterion=crit)
+    engine, *_ = gt.initialize(model, opt, criterion=crit, example_inputs=batches[0][0])
     engine.train()
     d, dr = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
     steps = []

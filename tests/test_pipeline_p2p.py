@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.parallel.pipeline.p2p import PipelineP2P, input_grads

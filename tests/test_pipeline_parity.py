@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import pytest
 import torch
-from harness import run_distributed
-from pipeline_models import (
+from helpers.harness import run_distributed
+from helpers.pipeline_models import (
     LMLoss,
     batches,
     data_slice,
@@ -19,9 +18,8 @@ from pipeline_models import (
 )
 
 import gridtrain as gt
-import gridtrain.nn as gnn
-from gridtrain.parallel.pipeline import lazy_init
 from gridtrain.parallel.sharding import unwrap
+from gridtrain.parallel.tags import is_pipeline_shared
 
 STEPS = 3
 
@@ -33,19 +31,19 @@ def data_slice_rows(x, d, dp):
 MICRO = 8
 
 
-def _train_pipeline(ctx, data, use_gt_nn: bool, lazy: bool = False):
+def _train_pipeline(ctx, data, lazy: bool = False):
     """Train from the dense model's weights; returns losses, full state dict, first-step grads.
 
     ``lazy``: build the model on the meta device; each stage allocates only its layers.
     """
-    layers = gnn if use_gt_nn else None
     torch.manual_seed(123)  # a different init: the loaded state dict must define the weights
-    with lazy_init() if lazy else contextlib.nullcontext():
-        model = tied_lm(layers)
+    with gt.lazy_init() if lazy else contextlib.nullcontext():
+        model = tied_lm()
     if not lazy:
         gt.load_full_state_dict(model, dense_model().state_dict(), ctx)
     opt = torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9)
-    engine, *_ = gt.initialize(model, opt, LMLoss(layers), ctx=ctx)
+    example = data_slice(data[0][0], ctx)  # traced on meta when a tensor mode needs a plan
+    engine, *_ = gt.initialize(model, opt, LMLoss(), ctx=ctx, example_inputs=example)
     if lazy:
         gt.load_full_state_dict(engine.model, dense_model().state_dict(), ctx)
     engine.train()
@@ -64,7 +62,7 @@ def _train_pipeline(ctx, data, use_gt_nn: bool, lazy: bool = False):
         iter([(data_slice(x, ctx), data_slice(y, ctx))]), forward_only=True
     )
     stage = unwrap(engine.model)
-    shared = sorted(n for n, p in stage.named_parameters() if getattr(p, "_gt_pipeline_shared", 0))
+    shared = sorted(n for n, p in stage.named_parameters() if is_pipeline_shared(p))
     info = dict(
         chunks=stage.chunk_layer_names,
         shared=shared,
@@ -100,7 +98,7 @@ def test_pipeline_equals_dense(name):
     dp = world // p
     data = batches(STEPS, MICRO * dp)
     dense_losses, dense_sd, dense_grads = train_dense(data)
-    results = run_distributed(_train_pipeline, world, data, False, config=config, timeout=300)
+    results = run_distributed(_train_pipeline, world, data, config=config, timeout=300)
     for rank, (losses, full, _grads, info) in enumerate(results):
         # every stage reports the last stage's loss (broadcast), so logs agree across stages
         assert losses == results[rank - rank % p][0], (rank, losses)
@@ -151,7 +149,7 @@ def test_uniform_and_parameter_partitions_differ():
     }
     data = batches(1, 4)
     chunks = {
-        m: [r[3]["chunks"] for r in run_distributed(_train_pipeline, 4, data, False, config=c)]
+        m: [r[3]["chunks"] for r in run_distributed(_train_pipeline, 4, data, config=c)]
         for m, c in cfgs.items()
     }
     assert chunks["uniform"] == [[["0", "1", "2"]], [["3", "4", "5"]], [["6", "7"]], [["8", "9"]]]
@@ -165,7 +163,7 @@ def test_lazy_model_on_meta_trains_like_dense():
     config = dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)), num_microbatches=MICRO)
     data = batches(STEPS, MICRO)
     dense_losses, dense_sd, _ = train_dense(data)
-    results = run_distributed(_train_pipeline, 2, data, False, True, config=config, timeout=300)
+    results = run_distributed(_train_pipeline, 2, data, True, config=config, timeout=300)
     for losses, full, _, _ in results:
         # fp32; micro-batching only reorders the gradient sums
         torch.testing.assert_close(
@@ -175,15 +173,11 @@ def test_lazy_model_on_meta_trains_like_dense():
             torch.testing.assert_close(full[key], t, atol=1e-5, rtol=1e-5, msg=key)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("gridtrain.parallel.tensor.mode_1d") is None,
-    reason="tensor mode 1d not written yet",
-)
 def test_dp2_tp2_pp2_equals_dense():
     config = dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=MICRO)
     data = batches(STEPS, MICRO * 2)
     dense_losses, dense_sd, _ = train_dense(data)
-    results = run_distributed(_train_pipeline, 8, data, True, config=config, timeout=300)
+    results = run_distributed(_train_pipeline, 8, data, config=config, timeout=300)
     for _losses, full, _, _ in results:
         for key, t in dense_sd.items():
             # fp32; tensor-parallel partial sums and micro-batching reorder additions
@@ -223,7 +217,7 @@ def test_pipeline_with_engine_features_equals_dense(name):
     config = dict(config, num_microbatches=MICRO)
     data = batches(n, MICRO)
     dense_losses, dense_sd, _ = train_dense(data, clip=clip, accumulation=accumulation)
-    results = run_distributed(_train_pipeline, 2, data, False, config=config, timeout=300)
+    results = run_distributed(_train_pipeline, 2, data, config=config, timeout=300)
     for losses, full, _, _ in results:
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(dense_losses), atol=tol, rtol=0

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 from gridtrain.parallel.tensor.ring_attention import _keep_mask
 from gridtrain.parallel.tensor.sequence import ring_attention

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.parallel.sharding import unwrap

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_distributed
+from helpers.harness import run_distributed
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt

@@ -95,7 +95,7 @@ class Engine:
         self._nonfinite: Tensor | None = None  # any non-finite loss in this window (on device)
         self._bn_buffers = _batchnorm_buffers(model)
         self.steps = StepFunctions(
-            forward=self._forward_split,
+            forward=self.forward_split,
             loss=self.compute_loss if criterion is not None else None,
             backward=self._scaled_backward,
             grad_sync=self.overlap_grad_sync,
@@ -128,7 +128,7 @@ class Engine:
         with autocast(self.ctx.device, self.autocast_dtype):
             return self.model(*args, **kwargs)
 
-    def _forward_split(self, data: Any, chunk: int | None = None) -> Any:
+    def forward_split(self, data: Any, chunk: int | None = None) -> Any:
         """Forward on already-split ``data``: a tensor, a tuple of arguments or a dict of kwargs."""
         if chunk is None or chunk == 0:
             self._sync_batchnorm()

@@ -47,6 +47,15 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
 
 
+class Embeddings(nn.Module):
+    def __init__(self, vocab: int, hidden: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+
+    def forward(self, ids):
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+
 class TinyTransformer(nn.Module):
     """Token and position embeddings, ``layers`` pre-norm blocks, a final norm and an LM head
     (tied to the token embedding when ``tie``). ``pipeline_layers()`` lists the cut points."""
@@ -62,15 +71,18 @@ class TinyTransformer(nn.Module):
         fused: bool = False,
     ):
         super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+        self.embed = Embeddings(vocab, hidden, seq)
         self.blocks = nn.ModuleList(Block(hidden, heads, fused) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
         if tie:
-            self.head.weight = self.tok.weight
+            self.head.weight = self.embed.tok.weight
+
+    def pipeline_layers(self):
+        return [self.embed, *self.blocks, self.norm, self.head]
 
     def forward(self, ids):
-        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))

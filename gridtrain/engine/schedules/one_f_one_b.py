@@ -192,7 +192,7 @@ class PipelineSchedule:
             if not self._need_loss:
                 return None
             loss = steps.loss(out, self._labels[index])
-        self._losses.append(loss.detach().float())
+        self._losses.append(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         return loss / self.num_microbatches
 
     def _backward(self, x: Payload, y: Payload, grad_y: Payload, final: bool = False) -> Payload:
@@ -215,8 +215,9 @@ class PipelineSchedule:
 
     def _reduce_loss(self) -> Tensor:
         """The mean micro-batch loss of the last stage, on every stage of the pipeline."""
-        loss = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        # broadcast in float64: exact for every model dtype, and the same on every stage
+        loss = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         if self._is_last() and self._losses:
-            loss = torch.stack(self._losses).mean()
+            loss = torch.stack(self._losses).double().mean()
         last_rank = self.ctx.ranks(ParallelMode.PIPELINE)[-1]
         return comm.broadcast_(loss, last_rank, self.ctx.group(ParallelMode.PIPELINE))

@@ -29,7 +29,7 @@ from gridtrain.parallel.moe.router import Router, RouterOutput
 
 
 class MoeLayer(nn.Module):
-    """A mixture-of-experts feed-forward layer.
+    """A mixture-of-experts feed-forward layer (already parallel: the tensor planner keeps it).
 
     Args:
         hidden_size: model width ``d``.
@@ -51,6 +51,7 @@ class MoeLayer(nn.Module):
         ctx: ParallelContext | None = None,
     ):
         super().__init__()
+        self.gt_parallel = True
         if ctx is None and has_context():
             ctx = get_context()
         if experts.num_experts != num_experts:

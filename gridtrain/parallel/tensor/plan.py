@@ -27,10 +27,12 @@ from typing import Any
 
 from torch import nn
 
+from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind
 from gridtrain.parallel.tensor.styles import STYLES
 from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF, Flow
+from gridtrain.parallel.tensor.trace import OPAQUE as OPAQUE_HOW
 
 LINEAR, EMBEDDING, NORM, DROPOUT, PATCH, OPAQUE = (
     "linear",
@@ -69,8 +71,10 @@ class PlanError(ValueError):
 
 def kind_of(module: nn.Module) -> str | None:
     """The planner's name for what ``module`` is, or None for a module it looks inside."""
-    if getattr(module, "gt_parallel", False):
-        return OPAQUE
+    if getattr(module, "gt_parallel", False) or any(
+        get_shard_spec(p) for p in module.parameters(recurse=False)
+    ):
+        return OPAQUE  # already parallel (a gridtrain layer, or sharded by hand with tags)
     if isinstance(module, nn.Linear) or is_conv1d(module):
         return LINEAR
     if isinstance(module, nn.Embedding):
@@ -84,7 +88,14 @@ def kind_of(module: nn.Module) -> str | None:
     return None
 
 
-TRACE_HOW = {LINEAR: SELF, EMBEDDING: FRESH, PATCH: FRESH, OPAQUE: FRESH, NORM: PASS, DROPOUT: PASS}
+TRACE_HOW = {
+    LINEAR: SELF,
+    EMBEDDING: FRESH,
+    PATCH: FRESH,
+    OPAQUE: OPAQUE_HOW,
+    NORM: PASS,
+    DROPOUT: PASS,
+}
 
 
 def tracked_modules(model: nn.Module) -> dict[str, str]:

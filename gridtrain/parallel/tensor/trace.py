@@ -25,8 +25,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-# how a tracked layer's output relates to its input's sources
-FRESH, PASS, SELF = "fresh", "pass", "self"
+# how a tracked layer's output relates to its input's sources; OPAQUE layers (already
+# parallel: collectives, data-dependent routing) are not run on meta: their output is
+# taken to have their first input's shape
+FRESH, PASS, SELF, OPAQUE = "fresh", "pass", "self", "opaque"
 
 
 @dataclass
@@ -106,7 +108,7 @@ def trace_flow(
 
     def post(name: str, how: str) -> Callable:
         def hook(module, args, kwargs, output):
-            fresh = {FRESH: frozenset(), SELF: frozenset({name})}
+            fresh = {FRESH: frozenset(), OPAQUE: frozenset(), SELF: frozenset({name})}
             sources = fresh.get(how, tagger.sources_of((args, kwargs)))
             for leaf in tree_flatten(output)[0]:
                 if isinstance(leaf, Tensor):
@@ -114,10 +116,14 @@ def trace_flow(
 
         return hook
 
+    stubbed = []
     for name, how in tracked.items():
         module = modules[name]
         hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(module.register_forward_hook(post(name, how), with_kwargs=True))
+        if how == OPAQUE:
+            module.forward = _shape_stub
+            stubbed.append(module)
     state = {k: v.to("meta") for k, v in _state(model)}
     args, kwargs = _as_call(_to_meta(example))
     try:
@@ -133,7 +139,15 @@ def trace_flow(
     finally:
         for h in hooks:
             h.remove()
+        for module in stubbed:
+            del module.forward
     return flow
+
+
+def _shape_stub(*args, **kwargs):
+    """An opaque layer's output on meta: the shape of its first tensor input."""
+    first = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
+    return torch.empty_like(first)
 
 
 def _state(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

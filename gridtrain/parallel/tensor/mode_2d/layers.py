@@ -102,7 +102,8 @@ class Norm(_GridModule):
     def forward(self, x: Tensor) -> Tensor:
         g, k = self.grid, self.kind
         check_width("Norm", x, k.hidden // g.q)
-        y = normalize_over_group(x.float(), k.hidden, k.eps, g.row_group, k.rms).to(x.dtype)
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # stats in >= fp32
+        y = normalize_over_group(xf, k.hidden, k.eps, g.row_group, k.rms).to(x.dtype)
         if self.weight is not None:
             y = y * gather_col(self.weight, 0, g)
         if getattr(self, "bias", None) is not None:

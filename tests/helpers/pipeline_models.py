@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import nn
 
 import gridtrain as gt
-from gridtrain.parallel.context import get_context, has_context, set_context
-from gridtrain.parallel.tensor import dense
 
 VOCAB, HIDDEN, SEQ = 16, 8, 3
 
 
-def tied_lm(layers: ModuleType | None = None, depth: int = 8) -> nn.Sequential:
-    """Embedding, ``depth`` Linear/Tanh layers, and a classifier tied to the embedding.
+def tied_lm(depth: int = 8) -> nn.Sequential:
+    """Embedding, ``depth`` Linear/Tanh layers, and a classifier tied to the embedding, from
+    ``gt.nn`` (plain modules: the tensor mode, if any, is applied by ``gt.initialize``).
 
-    ``layers``: the layer module (``gridtrain.nn`` to follow the tensor mode; dense by default).
     Layer count ``depth + 2`` is at least 8 so pipeline 4 x 2 chunks has a layer per part.
     """
-    layers = layers or dense
+    layers = gt.nn
     emb = layers.VocabParallelEmbedding(VOCAB, HIDDEN)
     body: list[nn.Module] = []
     for i in range(depth):
@@ -32,23 +28,18 @@ def tied_lm(layers: ModuleType | None = None, depth: int = 8) -> nn.Sequential:
 class LMLoss(nn.Module):
     """Token cross entropy on [B, S, V] logits through the mode's CrossEntropyLoss."""
 
-    def __init__(self, layers: ModuleType | None = None):
+    def __init__(self):
         super().__init__()
-        self.ce = (layers or dense).CrossEntropyLoss()
+        self.ce = gt.nn.CrossEntropyLoss()
 
     def forward(self, logits, targets):
         return self.ce(logits.flatten(0, -2), targets.flatten())
 
 
 def dense_model(seed: int = 0, **kw) -> nn.Sequential:
-    """The reference model, built with dense layers even when a context is current."""
-    saved = get_context() if has_context() else None
-    set_context(None)
-    try:
-        torch.manual_seed(seed)
-        return tied_lm(dense, **kw)
-    finally:
-        set_context(saved)
+    """The reference model (the same plain modules, seeded)."""
+    torch.manual_seed(seed)
+    return tied_lm(**kw)
 
 
 def batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

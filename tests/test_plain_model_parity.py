@@ -1,0 +1,111 @@
+"""A model nobody wrote for gridtrain (plain ``torch.nn`` layers) trains under every layout from
+the config alone, with the losses, gradients and weights of the same model in one process,
+while each rank holds only its share of the parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.harness import run_distributed
+from helpers.models import TinyTransformer, tiny_batches
+from helpers.parity import seeded, train_dense, train_engine
+
+import gridtrain as gt
+
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 64
+PLAN_1D = {  # the Megatron pairs, given explicitly (HF tp_plan patterns)
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.out": "rowwise",
+    "blocks.*.fc": "colwise",
+    "blocks.*.fc2": "rowwise",
+    "head": "vocab_parallel",
+}
+# name: (world, config, model kwargs, expected share of a sharded 2-D weight)
+LAYOUTS = {
+    "1d2-plan": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d", plan=PLAN_1D))), {}, 1 / 2),
+    "1d2-traced": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), {}, 1 / 2),
+    "1d2-traced-tied": (
+        2,
+        dict(parallel=dict(tensor=dict(size=2, mode="1d"))),
+        {"tie": True},
+        1 / 2,
+    ),
+    "dp2-1d2": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), {}, 1 / 2),
+    "2d4-tied": (4, dict(parallel=dict(tensor=dict(size=4, mode="2d"))), {"tie": True}, 1 / 4),
+    "2.5d8-depth2": (8, dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2))), {}, 1 / 4),
+    "3d8-tied": (8, dict(parallel=dict(tensor=dict(size=8, mode="3d"))), {"tie": True}, 1 / 8),
+    "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=4), {}, 1.0),
+    "dp2-1d2-pp2": (
+        8,
+        dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=2),
+        {},
+        1 / 2,
+    ),
+}
+
+
+def lm_loss(logits, labels):
+    """Next-token cross entropy through gt.nn.CrossEntropyLoss: any layout's logits."""
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(ctx, batches, model_kw):
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ, **model_kw), seed=0)
+    x0 = batches[0][0].chunk(ctx.world_size(gt.ParallelMode.DATA))[0]
+    return train_engine(ctx, model, batches, lm_loss, _adamw, example_inputs=x0)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_plain_transformer_equals_one_process(name):
+    world, config, model_kw, share = LAYOUTS[name]
+    batches = [(x, y) for x, y in tiny_batches(STEPS, BATCH, SEQ, VOCAB)]
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ, **model_kw), seed=0)
+    d_losses, d_grads, d_final = train_dense(
+        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    results = run_distributed(_train, world, batches, model_kw, config=config, timeout=300)
+    replica = world // _data_size(world, config)
+    # a rank reports the mean over its data-parallel rank's rows: their mean is the dense loss
+    global_losses = torch.tensor([r[0] for r in results[::replica]], dtype=torch.float64)
+    global_losses = global_losses.mean(0).tolist()
+    # float64 throughout: sharded matmuls and collectives only reorder sums, measured
+    # <= 1e-15 relative on losses and gradients
+    assert global_losses == pytest.approx(d_losses, rel=1e-12), name
+    for rank, (losses, grads, final, plan, held) in enumerate(results):
+        tag = f"{name} rank {rank}"
+        assert losses == results[rank - rank % replica][0], "one loss per model replica"
+        assert set(final) == set(d_final), "full state dict has the plain model's keys"
+        for k, g in d_grads.items() if grads is not None else ():  # (pipeline: not gathered)
+            torch.testing.assert_close(grads[k], g, rtol=1e-10, atol=1e-12, msg=f"{tag} {k}")
+        for k, v in d_final.items():
+            # AdamW divides by sqrt(v) + 1e-8: on near-zero gradients a 1e-16 difference can
+            # move a weight by lr * 1e-16 / 1e-8 = 1e-10 per step; a wrong shard is O(lr)
+            torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=f"{tag} {k}")
+        # really cut: every block weight holds its share only (a replica would hold 1.0);
+        # under a pipeline each stage holds only its own blocks
+        for k in ("blocks.0.fc.weight", "blocks.1.attn.out.weight"):
+            if k in held:
+                assert held[k] == pytest.approx(share), (tag, held)
+        stage = ctx_stage(rank, world, config)
+        assert ("blocks.0.fc.weight" in held) == (stage == 0), (tag, sorted(held))
+        if "tensor" in config["parallel"]:  # the printed plan names every layer it cut
+            assert "blocks.1.fc2" in plan and ("rowwise" in plan or "auto" in plan), plan
+
+
+def _data_size(world: int, config: dict) -> int:
+    par = config["parallel"]
+    return world // (par.get("pipeline", 1) * par.get("tensor", {}).get("size", 1))
+
+
+def ctx_stage(rank: int, world: int, config: dict) -> int:
+    """The pipeline stage of ``rank`` (tensor innermost, then pipeline, then data)."""
+    par = config["parallel"]
+    p, t = par.get("pipeline", 1), par.get("tensor", {}).get("size", 1)
+    return (rank // t) % p
