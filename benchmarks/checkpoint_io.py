@@ -133,7 +133,7 @@ def _disk_mb(path: Path) -> float:
 
 
 # ---- one world size ------------------------------------------------------------------------
-def _rank(rank: int, world: int, port: int, preset: dict, out_dir: str, results) -> None:
+def _rank(rank: int, world: int, port: int, fmt: str, preset: dict, out_dir: str, results):
     import gridtrain as gt
     from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
 
@@ -151,50 +151,37 @@ def _rank(rank: int, world: int, port: int, preset: dict, out_dir: str, results)
         p.grad = torch.zeros_like(p)
     opt.step()  # allocates Adam's moments
     opt.zero_grad(set_to_none=True)
-
-    rows = []
-    for fmt in FORMATS:
-        path = Path(out_dir) / (f"{world}_{fmt}" + (".pt" if fmt == "dense" else ""))
-        gc.collect()
+    path = Path(out_dir) / (f"{world}_{fmt}" + (".pt" if fmt == "dense" else ""))
+    gc.collect()
+    dist.barrier()
+    base = _rss_mb()
+    with Peak() as save_peak:
+        start = time.perf_counter()
+        handle = save_checkpoint(
+            path, 1, model, opt, sharded=fmt != "dense", async_save=fmt == "async"
+        )
+        stall = time.perf_counter() - start
+        if handle is not None:
+            handle.wait()
         dist.barrier()
-        base = _rss_mb()
-        with Peak() as save_peak:
-            start = time.perf_counter()
-            handle = save_checkpoint(
-                path, 1, model, opt, sharded=fmt != "dense", async_save=fmt == "async"
-            )
-            stall = time.perf_counter() - start
-            if handle is not None:
-                handle.wait()
-            dist.barrier()
-            save_s = time.perf_counter() - start
-        gc.collect()
+        save_s = time.perf_counter() - start
+    gc.collect()
+    dist.barrier()
+    with Peak() as load_peak:
+        start = time.perf_counter()
+        load_checkpoint(path, model, opt)
         dist.barrier()
-        with Peak() as load_peak:
-            start = time.perf_counter()
-            load_checkpoint(path, model, opt)
-            dist.barrier()
-            load_s = time.perf_counter() - start
-        disk = _disk_mb(path) if rank == 0 else 0.0
-        rows.append(
-            dict(fmt=fmt, save=save_s, stall=stall if fmt == "async" else None, load=load_s,
-                 base=base, save_peak=save_peak.peak, load_peak=load_peak.peak, disk=disk)
-        )  # fmt: skip
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        load_s = time.perf_counter() - start
+    row = dict(save=save_s, stall=stall, load=load_s, base=base, save_peak=save_peak.peak,
+               load_peak=load_peak.peak, disk=_disk_mb(path) if rank == 0 else 0.0)  # fmt: skip
     gathered = [None] * world
-    dist.all_gather_object(gathered, rows)
+    dist.all_gather_object(gathered, row)
     if rank == 0:
-        merged = []
-        for i, fmt in enumerate(FORMATS):
-            per_rank = [g[i] for g in gathered]
-            row = {"ranks": world, "fmt": fmt, "params": params}
-            for key in ("save", "load", "base", "save_peak", "load_peak", "disk"):
-                row[key] = max(r[key] for r in per_rank)
-            row["stall"] = max(r["stall"] for r in per_rank) if fmt == "async" else None
-            merged.append(row)
+        merged = {k: max(r[k] for r in gathered) for k in row}
+        merged.update(ranks=world, fmt=fmt, params=params)
+        merged["stall"] = merged["stall"] if fmt == "async" else None
         results.put(merged)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     gt.destroy()
 
 
@@ -205,15 +192,15 @@ def _free_port() -> int:
 
 
 def run(ranks: list[int], preset: dict, out_dir: str) -> list[dict]:
+    """One fresh set of processes per (ranks, format): each starts from the same memory."""
     rows = []
     ctx = mp.get_context("spawn")
     for world in ranks:
-        results = ctx.SimpleQueue()
-        mp.start_processes(
-            _rank, args=(world, _free_port(), preset, out_dir, results), nprocs=world,
-            start_method="spawn",
-        )  # fmt: skip
-        rows += results.get()
+        for fmt in FORMATS:
+            results = ctx.SimpleQueue()
+            args = (world, _free_port(), fmt, preset, out_dir, results)
+            mp.start_processes(_rank, args=args, nprocs=world, start_method="spawn")
+            rows.append(results.get())
     return rows
 
 

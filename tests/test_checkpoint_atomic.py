@@ -31,7 +31,8 @@ SAVER = textwrap.dedent(
     """
     import sys, time, torch
     sys.path.insert(0, sys.argv[4])
-        from test_checkpoint_atomic import _model_and_opt
+    import gridtrain as gt
+    from test_checkpoint_atomic import _model_and_opt
     from gridtrain.engine.checkpoint import save_checkpoint
     path, fmt, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     gt.launch({}, 0, 1, "127.0.0.1", port, backend="gloo")

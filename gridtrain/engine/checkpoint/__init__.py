@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from gridtrain.engine.checkpoint import dense as dense_format
-from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint import files, writer
 from gridtrain.engine.checkpoint import sharded as sharded_format
 from gridtrain.engine.checkpoint.files import UnsafeCheckpointError
-from gridtrain.engine.checkpoint.sharded import CheckpointFuture, wait_pending
+from gridtrain.engine.checkpoint.writer import CheckpointFuture, wait_pending
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
@@ -69,7 +69,7 @@ def save_checkpoint(
     path = Path(path)
     if sharded:
         state = sharded_format.state_dict(model, optimizer, lr_scheduler, extra, ctx)
-        future = sharded_format.save(path, epoch, state, ctx, async_save)
+        future = writer.save(path, epoch, state, ctx, async_save)
         return future if async_save else None
 
     wait_pending()

@@ -1,0 +1,188 @@
+"""Writing a sharded checkpoint: every rank hands DCP its shards, rank 0 finishes the directory.
+
+The directory is written under a temporary name beside the target (``files``);
+when every rank's data and DCP's ``.metadata`` are on disk, rank 0 writes the
+completion marker (epoch and layout, JSON) and renames the directory into place.
+``async_save`` stages a CPU copy of this rank's state (the only stall), then DCP
+writes in a background thread over a gloo group of its own, and the same
+finishing step runs there; a :class:`CheckpointFuture` reports the end.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint.sharded import FORMAT, VERSION, first_failure
+from gridtrain.engine.checkpoint.state import layout
+from gridtrain.parallel import comm
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+
+
+def _save_planner() -> dcp.DefaultSavePlanner:
+    return dcp.DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+_ASYNC_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FINISHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gridtrain-ckpt")
+_PENDING: list[CheckpointFuture] = []
+_LOCK = threading.Lock()
+
+
+class CheckpointFuture:
+    """An asynchronous save in flight: ``wait()`` returns the checkpoint's path once it is
+    complete and in place on disk (raises what the save raised); ``done()`` does not block.
+
+    The next ``save_checkpoint``/``load_checkpoint`` waits for it; wait yourself before
+    ``gridtrain.destroy()`` (``wait_pending()``). ``stall_s``: how long ``save_checkpoint``
+    blocked training (staging a CPU copy of this rank's state).
+    """
+
+    def __init__(self, future: Future, path: Path, stall_s: float):
+        self._future = future
+        self.path = path
+        self.stall_s = stall_s
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"CheckpointFuture({str(self.path)!r}, {state})"
+
+
+def wait_pending() -> None:
+    """Wait for every asynchronous save of this process (raises the first failure)."""
+    with _LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    for future in pending:
+        future.wait()
+
+
+def _async_group(ctx: ParallelContext):
+    """A gloo group of every rank for the background saves (collective on first use), so
+    their collectives never interleave with training's on the default group."""
+    if ctx not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[ctx] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[ctx]
+
+
+def _agree(failed: bool, group, device) -> bool:
+    """Barrier over ``group`` that also tells every rank whether any rank failed."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    comm.all_reduce_(flag, group)
+    return flag.item() > 0
+
+
+def _prepare(path: Path, ctx: ParallelContext) -> Path:
+    """Rank 0 cleans up and creates the temporary directory; every rank learns its name."""
+    made: list[Any] = [None]
+    if ctx.global_rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            files.clean_stale(path.parent)
+            made[0] = tempfile.mkdtemp(dir=path.parent, prefix=files.temp_prefix(path))
+        except OSError as err:
+            made[0] = err
+    if ctx.world_size(ParallelMode.GLOBAL) > 1:
+        dist.broadcast_object_list(made, src=0, group=ctx.group(ParallelMode.GLOBAL))
+    if isinstance(made[0], BaseException):
+        raise OSError(f"save_checkpoint: cannot create a temporary beside '{path}'") from made[0]
+    return Path(made[0])
+
+
+def _finish(tmp: Path, path: Path, epoch: int, ctx: ParallelContext, group, saved_ok: bool):
+    """After DCP wrote everything: rank 0 marks the directory complete and renames it."""
+    error = None
+    if ctx.global_rank == 0:
+        try:
+            if saved_ok:
+                marker = {"format": FORMAT, "version": VERSION, "epoch": epoch}
+                files.write_marker(tmp, json.dumps({**marker, "layout": layout(ctx)}))
+                files.replace(tmp, path)
+            else:
+                files.remove_entry(tmp)
+        except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
+            error = err
+            files.remove_entry(tmp)
+    if group is None:
+        group, device = ctx.group(ParallelMode.GLOBAL), ctx.device
+    else:
+        device = torch.device("cpu")
+    if _agree(error is not None, group, device):
+        raise error or RuntimeError(f"save_checkpoint: rank 0 failed to finish '{path}'")
+    return path
+
+
+def _writer(tmp: Path) -> dcp.FileSystemWriter:
+    return dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+
+
+def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: bool):
+    """Collective: write ``state`` (from ``state_dict``) as a complete directory at ``path``."""
+    wait_pending()
+    tmp = _prepare(path, ctx)
+    if not async_save:
+        try:
+            dcp.save(state, storage_writer=_writer(tmp), planner=_save_planner())
+        except BaseException as err:
+            if ctx.global_rank == 0:
+                files.remove_entry(tmp)
+            if isinstance(err, CheckpointException):
+                raise first_failure(err) from err
+            raise
+        return _finish(tmp, path, epoch, ctx, None, True)
+
+    group = _async_group(ctx)
+    start = time.perf_counter()
+    stager = DefaultStager(StagingOptions(ctx.device.type == "cuda", False, False, False))
+    upload = dcp.async_save(
+        state,
+        storage_writer=_writer(tmp),
+        planner=_save_planner(),
+        process_group=group,
+        async_stager=stager,
+    )
+    stall = time.perf_counter() - start
+
+    def finish() -> Path:
+        try:
+            upload.result()
+            ok = True
+        except BaseException:  # noqa: BLE001 - reported through _finish to every rank
+            ok = False
+        finally:
+            stager.close()
+        _finish(tmp, path, epoch, ctx, group, ok)
+        if not ok:
+            try:
+                upload.result()
+            except CheckpointException as err:
+                raise first_failure(err) from err
+        return path
+
+    future = CheckpointFuture(_FINISHER.submit(finish), path, stall)
+    with _LOCK:
+        _PENDING.append(future)
+    return future
+
+
+__all__ = ["CheckpointFuture", "save", "wait_pending"]
