@@ -2,9 +2,11 @@
 
 ``gridtrain run`` validates everything it can (files, host lists, the config's
 layout for the world size it is about to start) before it starts any process,
-then runs torch's own elastic launcher (``python -m torch.distributed.run``)
-on this machine, or once per host over ssh. The config path reaches the script
-through ``GRIDTRAIN_CONFIG``, so ``gt.launch_from_torch()`` needs no argument.
+then runs torch's own elastic launcher (``python -m gridtrain.agent``, which is
+``torch.distributed.run`` with its store on loopback for a local run) on this
+machine, or once per host over ssh; ``cli_procs`` supervises them (signals
+forwarded, nothing left running). The config path reaches the script through
+``GRIDTRAIN_CONFIG``, so ``gt.launch_from_torch()`` needs no argument.
 """
 
 from __future__ import annotations
@@ -12,12 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 from gridtrain.cli_hosts import (
@@ -31,6 +29,7 @@ from gridtrain.cli_hosts import (
     split_hosts,
     torchrun_command,
 )
+from gridtrain.cli_procs import run_hosts, run_local
 from gridtrain.config import Config, ConfigError
 from gridtrain.launch import CONFIG_ENV
 
@@ -39,14 +38,18 @@ examples:
   gridtrain run --nproc_per_node 4 --config configs/2d.py train.py --lr 0.1
   gridtrain run --host node1,node2 --nproc_per_node 8 --config config.py train.py
   gridtrain run --hostfile hosts.txt --exclude node3 --config config.py train.py
+  gridtrain run --nproc_per_node 8 --max-restarts 3 --config config.py train.py
   gridtrain topo --config configs/2d.py --world-size 16
 """
 
 RUN_DESCRIPTION = """\
 Start train.py on nproc_per_node processes per node through torch's elastic
-launcher (python -m torch.distributed.run). Without --host/--hostfile it runs on
-this machine; with them it opens one ssh session per host, cds into the current
-directory there and runs the same launcher as node i of len(hosts).
+launcher (python -m torch.distributed.run, via gridtrain.agent). Without
+--host/--hostfile it runs on this machine, its rendezvous store listening on
+127.0.0.1 only; with them it opens one ssh session per host (ssh -tt), cds into
+the current directory there and runs the same launcher as node i of len(hosts).
+SIGTERM, SIGINT or SIGHUP sent to gridtrain run reach every worker; nothing it
+started outlives it. --max-restarts N restarts every worker after a failure.
 
 The config is loaded and checked against the world size (nproc_per_node x
 nnodes) before anything starts; its absolute path is exported as
@@ -123,6 +126,32 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="P",
         help=f"port on node 0 (default: {DEFAULT_MASTER_PORT}; a free port on one machine)",
     )
+    elastic = run.add_argument_group("restarts (torch's elastic agent, passed through)")
+    elastic.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        metavar="N",
+        help="restart every worker up to N times after one fails (default: 0)",
+    )
+    elastic.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        metavar="S",
+        help="seconds between the agent's checks of its workers (torchrun's default)",
+    )
+    elastic.add_argument(
+        "--rdzv-backend", "--rdzv_backend", metavar="B", help="rendezvous backend (default: static)"
+    )
+    elastic.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        metavar="HOST:PORT",
+        help="rendezvous endpoint (default with --rdzv-backend: master_addr:master_port)",
+    )
+    elastic.add_argument("--rdzv-id", "--rdzv_id", metavar="ID", help="rendezvous job id")
+    elastic.add_argument("--rdzv-conf", "--rdzv_conf", metavar="K=V,...", help="rendezvous options")
     run.add_argument(
         "--dry-run", action="store_true", help="print the command(s) instead of running them"
     )
@@ -235,8 +264,35 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
             spec.master_port = args.master_port
         elif spec.nnodes == 1:
             spec.master_port = _free_port()  # like torchrun --standalone: no clash with other jobs
+    spec.elastic = _elastic_args(args, spec)
     _check_layout(spec)
     return spec
+
+
+def _elastic_args(args: argparse.Namespace, spec: RunSpec) -> list[str]:
+    """torchrun's elastic options as given (checked), for every node's launcher."""
+    out: list[str] = []
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        out += ["--max-restarts", str(args.max_restarts)]
+    if args.monitor_interval is not None:
+        if not args.monitor_interval > 0:
+            raise UsageError(f"--monitor-interval must be > 0, got {args.monitor_interval}")
+        out += ["--monitor-interval", str(args.monitor_interval)]
+    endpoint = args.rdzv_endpoint
+    if args.rdzv_backend is not None:
+        out += ["--rdzv-backend", args.rdzv_backend]
+        if endpoint is None and args.rdzv_backend != "static":
+            endpoint = f"{spec.master_addr}:{spec.master_port}"
+    for flag, value in (
+        ("--rdzv-endpoint", endpoint),
+        ("--rdzv-id", args.rdzv_id),
+        ("--rdzv-conf", args.rdzv_conf),
+    ):
+        if value is not None:
+            out += [flag, value]
+    return out
 
 
 def _check_layout(spec: RunSpec) -> None:
@@ -268,11 +324,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _exit_code(returncode: int) -> int:
-    # a child killed by signal N reports -N; shells report 128 + N
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     spec = run_spec(args)
     if spec.hosts:
@@ -287,73 +338,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{CONFIG_ENV}={shlex.quote(spec.config)} {shlex.join(argv)}")
         return 0
     return run_local(argv, spec.config)
-
-
-def run_local(argv: list[str], config: str) -> int:
-    """Run the launcher on this machine with GRIDTRAIN_CONFIG set; return its exit code."""
-    proc = subprocess.Popen(argv, env={**os.environ, CONFIG_ENV: config})
-    try:
-        return _exit_code(proc.wait())
-    except KeyboardInterrupt:
-        # Ctrl-C reached the launcher too (same process group); let it stop its workers.
-        return _exit_code(proc.wait())
-
-
-def run_hosts(commands: list[tuple[str, list[str]]], poll_s: float = 0.1) -> int:
-    """Run one ssh session per host, each output line prefixed with ``[host]``.
-
-    Returns 0 when every host succeeds, else the exit code of the first host to
-    fail; the other sessions are then terminated, since their workers cannot
-    finish without the failed node.
-    """
-    lock = threading.Lock()
-    out = sys.stdout.buffer
-
-    def pump(host: str, stream) -> None:
-        prefix = f"[{host}] ".encode()
-        for line in iter(stream.readline, b""):
-            with lock:
-                out.write(prefix + line)
-                out.flush()
-
-    procs, threads = [], []
-    for host, argv in commands:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        thread = threading.Thread(target=pump, args=(host, proc.stdout), daemon=True)
-        thread.start()
-        procs.append((host, proc))
-        threads.append(thread)
-
-    failed: tuple[str, int] | None = None
-    try:
-        while failed is None and any(p.poll() is None for _, p in procs):
-            for host, proc in procs:
-                code = proc.poll()
-                if code:
-                    failed = (host, _exit_code(code))
-                    break
-            else:
-                time.sleep(poll_s)
-        if failed is None:  # all exited; one may have failed during the last sleep
-            failed = next(((h, _exit_code(p.returncode)) for h, p in procs if p.returncode), None)
-    except KeyboardInterrupt:
-        failed = ("", 128 + signal.SIGINT)
-    finally:
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for _, proc in procs:
-            proc.wait()
-        for thread in threads:
-            thread.join(timeout=5)
-    if failed is None:
-        return 0
-    host, code = failed
-    if host:
-        print(f"gridtrain run: host {host} exited with code {code}", file=sys.stderr)
-    return code
 
 
 # ---- topo -----------------------------------------------------------------------------------

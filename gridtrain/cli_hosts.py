@@ -54,6 +54,7 @@ class RunSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
     ssh_port: int | None = None
+    elastic: list[str] = field(default_factory=list)  # torchrun options: --max-restarts N, ...
 
     @property
     def world_size(self) -> int:
@@ -141,11 +142,12 @@ def select_hosts(
 
 
 def torchrun_command(spec: RunSpec, python: str, node_rank: int) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` command for node ``node_rank``."""
+    """The launcher command for node ``node_rank``: ``python -m gridtrain.agent`` takes
+    torchrun's arguments and is torchrun, with the store on loopback for a local run."""
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        "gridtrain.agent",
         "--nproc_per_node",
         str(spec.nproc_per_node),
         "--nnodes",
@@ -156,6 +158,7 @@ def torchrun_command(spec: RunSpec, python: str, node_rank: int) -> list[str]:
         spec.master_addr,
         "--master_port",
         str(spec.master_port),
+        *spec.elastic,
         spec.script,
         *spec.script_args,
     ]

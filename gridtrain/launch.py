@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
+import ipaddress
+import json
 import logging
+import math
 import os
+import signal
+import socket
+import sys
+import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
-from gridtrain.parallel.context import ParallelContext, set_context
+from gridtrain.parallel.context import ParallelContext, set_context, wait_for_idle_workers
 from gridtrain.parallel.random import seed_everything
 
 logger = logging.getLogger("gridtrain")
@@ -31,16 +41,24 @@ def launch(
     backend: str | None = None,
     local_rank: int | None = None,
     seed: int = 1024,
-    timeout_s: float = 1800.0,
+    timeout_s: float | None = None,
 ) -> ParallelContext:
     """Join the process group, build every parallel group, seed, and return the context.
 
     The config is validated (including every world-size check) before any
     process group is created, so a bad layout fails here on every rank instead
     of hanging. ``backend=None`` picks nccl when CUDA is there, else gloo.
+    ``timeout_s`` (default: the config's ``timeout_s``, 600) bounds every
+    collective of every group: a rank left waiting for a stuck peer raises after it.
     """
     cfg = Config.load(config)
     cfg.check_world_size(world_size)
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not (
+            isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0
+        ):
+            raise ConfigError(f"launch: timeout_s must be a number > 0, got {timeout_s!r}")
+        cfg = cfg.model_copy(update={"timeout_s": float(timeout_s)})  # the groups use it too
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -56,13 +74,19 @@ def launch(
     else:
         device = torch.device("cpu")
 
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = _rendezvous_store(host, port, rank, world_size, timeout)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{host}:{port}",
+        init_method=None if store is not None else f"tcp://{host}:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
+        store=store,
     )
+    if not getattr(launch, "exit_wait", False):  # a script that never calls destroy() too
+        launch.exit_wait = True
+        atexit.register(wait_for_idle_workers)
     seed = cfg.seed if cfg.seed is not None else seed
     seed_everything(seed)
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
@@ -72,6 +96,65 @@ def launch(
     if rank == 0:
         logger.info("launched %r", ctx)
     return ctx
+
+
+def _rendezvous_store(
+    host: str, port: int, rank: int, world_size: int, timeout: timedelta
+) -> dist.Store | None:
+    """The store the ranks meet in, or None for torch's own ``tcp://`` rendezvous at host:port.
+
+    - Under torch's elastic agent serving at host:port: a client of the agent's
+      store, under a prefix per restart. The agent keeps its store across
+      restarts, so without it a restarted rank could read a dead rank's address
+      from the previous attempt ("Gloo connectFullMesh failed ... Connection refused").
+    - Every rank on this machine (a loopback ``host``): rank 0 hosts the store on
+      loopback only. torch's TCPStore server listens on every interface whatever
+      ``host`` says, so rank 0 binds the socket itself and hands it over
+      (``master_listen_fd``). ``gridtrain run`` does the same for the agent's store
+      (``gridtrain.agent``).
+    """
+    agent = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == host
+        and os.environ.get("MASTER_PORT") == str(port)
+    )
+    if agent:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(host, port, world_size, False, timeout)
+        return dist.PrefixStore(f"gridtrain/attempt_{attempt}", client)
+    if not is_loopback(host):
+        return None
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    return dist.TCPStore(
+        host, port, world_size, True, timeout, master_listen_fd=bind_loopback(host, port)
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_loopback(host: str, port: int) -> int:
+    """A socket listening on ``host``:``port`` (a loopback address); returns its file descriptor,
+    which the caller owns (a TCPStore given ``master_listen_fd`` takes it over)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    addr = "127.0.0.1" if host == "localhost" else host
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(128)
+    except OSError as err:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {addr}:{port} for the rendezvous: {err}") from None
+    return sock.detach()
 
 
 def _env_int(*names: str) -> int:
@@ -92,13 +175,73 @@ def _config_from_env(config: ConfigLike | None) -> ConfigLike:
     return os.environ[CONFIG_ENV]
 
 
+def report_failures() -> None:
+    """Make a failing or stuck worker tell the launcher, and the user, where it was.
+
+    Under torch's elastic agent: an uncaught exception is printed as usual and
+    also written to the agent's error file (``TORCHELASTIC_ERROR_FILE``), so the
+    agent's summary names the rank that failed first, with its traceback, rather
+    than a peer's later "connection reset"; and SIGTERM (the agent stopping a
+    rank that hangs, or ``gridtrain run`` stopped) first prints every thread's
+    stack. Called by ``launch_from_torch``; does nothing outside torchrun.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or getattr(report_failures, "done", False):
+        return
+    report_failures.done = True
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    previous = sys.excepthook
+
+    def record(kind, value, tb):
+        previous(kind, value, tb)
+        try:
+            _write_error_file(kind, value, tb)
+        except Exception:  # noqa: BLE001 - reporting must never hide the error itself
+            pass
+
+    sys.excepthook = record
+
+
+PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _write_error_file(kind, value, tb) -> None:
+    # the format torch.distributed.elastic's ErrorHandler.record_exception writes; that one
+    # reads sys.exc_info(), which is empty inside an excepthook
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = int(time.time())
+    if any(text in str(value) for text in PEER_FAILURES):
+        # a consequence of another rank's failure: the agent names the failure with the
+        # smallest timestamp (whole seconds) as the root cause, so date this one a second
+        # later and let the rank that failed first win a tie
+        stamp += 1
+    data = {
+        "message": {
+            "message": f"{kind.__name__}: {value}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+                "timestamp": str(stamp),
+            },
+        }
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
 def launch_from_torch(
-    config: ConfigLike | None = None, seed: int = 1024, backend: str | None = None
+    config: ConfigLike | None = None,
+    seed: int = 1024,
+    backend: str | None = None,
+    timeout_s: float | None = None,
 ) -> ParallelContext:
     """Launch from the variables torchrun / ``gridtrain run`` set (RANK, WORLD_SIZE, ...).
 
     With ``config=None`` the path given to ``gridtrain run --config`` is used.
+    ``timeout_s`` defaults to the config's. See ``report_failures`` for what a
+    failing or stuck rank prints.
     """
+    report_failures()
     return launch(
         _config_from_env(config),
         rank=_env_int("RANK"),
@@ -108,6 +251,7 @@ def launch_from_torch(
         backend=backend,
         local_rank=_env_int("LOCAL_RANK"),
         seed=seed,
+        timeout_s=timeout_s,
     )
 
 

@@ -8,14 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import free_port
+from helpers.harness import free_port
 
 from gridtrain import cli
 from gridtrain.cli_hosts import RunSpec, build_host_commands, parse_hostfile
+from gridtrain.cli_procs import exit_code as exit_code_of
 from gridtrain.launch import CONFIG_ENV
 
 CONFIG_2D = 'parallel = dict(tensor=dict(size=4, mode="2d"))\n'
-TORCHRUN = ["-m", "torch.distributed.run"]
+TORCHRUN = ["-m", "gridtrain.agent"]  # torch.distributed.run, store bound to loopback
 SSH = ["ssh", "-tt"]  # -tt: the remote launcher is hung up when the local ssh ends
 
 
@@ -167,7 +168,7 @@ def spec_for(argv):
 def remote(host, node_rank, nnodes, master="node1", nproc=4, port=29500, exports=""):
     return (
         f"cd '/work dir' && export {exports}GRIDTRAIN_CONFIG=/cfg/config.py && exec /py "
-        f"-m torch.distributed.run --nproc_per_node {nproc} --nnodes {nnodes} "
+        f"-m gridtrain.agent --nproc_per_node {nproc} --nnodes {nnodes} "
         f"--node_rank {node_rank} --master_addr {master} --master_port {port} train.py --lr 0.1"
     )
 
@@ -222,11 +223,15 @@ def test_local_run_passes_an_absolute_config_and_the_child_exit_code(files, monk
     seen = {}
 
     class FakeLauncher:
-        def __init__(self, argv, env):
-            seen.update(argv=argv, env=env)
+        pid = -1
 
-        def wait(self):
+        def __init__(self, argv, env, start_new_session):
+            seen.update(argv=argv, env=env, session=start_new_session)
+
+        def wait(self, timeout=None):
             return 7
+
+        poll = wait
 
     monkeypatch.setattr(subprocess, "Popen", FakeLauncher)
     argv = ["--nproc_per_node", "4", "--master_port", "1234", "--config", "config.py"]
@@ -238,6 +243,7 @@ def test_local_run_passes_an_absolute_config_and_the_child_exit_code(files, monk
         *"--master_port 1234 train.py --epochs 2".split(),
     ]
     assert seen["env"][CONFIG_ENV] == str(files / "config.py")
+    assert seen["session"], "the launcher runs in its own session (signals are forwarded)"
 
 
 def test_dry_run_prints_the_local_command(files, no_process, capsys):
@@ -248,14 +254,12 @@ def test_dry_run_prints_the_local_command(files, no_process, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert out.startswith(
-        f"{CONFIG_ENV}={files / 'config.py'} {sys.executable} -m torch.distributed.run"
-    )
+    assert out.startswith(f"{CONFIG_ENV}={files / 'config.py'} {sys.executable} -m gridtrain.agent")
     assert "--nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1" in out
 
 
 def test_signal_exit_codes_follow_the_shell():
-    assert cli._exit_code(-9) == 137 and cli._exit_code(3) == 3
+    assert exit_code_of(-9) == 137 and exit_code_of(3) == 3
 
 
 # ---- the ssh runner, with a fake ssh -------------------------------------------------------
@@ -374,3 +378,31 @@ def test_end_to_end_2d_run_builds_the_row_and_col_groups(tmp_path):
         assert f"rank {rank} PARALLEL_2D_COL {cols[rank]}" in lines, proc.stdout
         assert f"rank {rank} TENSOR [0, 1, 2, 3]" in lines
         assert f"rank {rank} args ['--x', '1']" in lines
+
+
+# ---- elastic options ------------------------------------------------------------------------
+def test_elastic_options_reach_every_launcher(files):
+    argv = ["--max-restarts", "2", "--monitor-interval", "0.5", "--rdzv-backend", "c10d"]
+    argv += ["--nproc_per_node", "4", "--master_port", "1234"]
+    spec = spec_for([*argv, "--config", "config.py", "train.py"])
+    command = cli.torchrun_command(spec, "/py", 0)
+    elastic = "--max-restarts 2 --monitor-interval 0.5 --rdzv-backend c10d"
+    assert f"--master_port 1234 {elastic} --rdzv-endpoint 127.0.0.1:1234 train.py" in " ".join(
+        command
+    ), "the c10d endpoint defaults to master_addr:master_port"
+    argv = ["--host", "node1,node2", "--nproc_per_node", "2", "--max_restarts", "1"]
+    cmds = host_commands([*argv, "--rdzv-id", "job7"])
+    for _, ssh in cmds:
+        assert "--master_port 29500 --max-restarts 1 --rdzv-id job7 train.py" in ssh[-1]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+        (["--monitor-interval", "0"], "--monitor-interval must be > 0, got 0.0"),
+    ],
+)
+def test_elastic_option_errors_exit_2(files, no_process, capsys, argv, message):
+    assert exit_code(run_args(*argv, "--config", "config.py", "train.py")) == 2
+    assert message in capsys.readouterr().err

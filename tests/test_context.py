@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_distributed
+from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.parallel.topology import build_groups

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
+import os
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -14,6 +19,8 @@ from gridtrain.parallel.random import RngStates
 from gridtrain.parallel.topology import build_groups
 
 _CURRENT: ParallelContext | None = None
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+logger = logging.getLogger("gridtrain")
 
 
 class ParallelContext:
@@ -33,6 +40,7 @@ class ParallelContext:
         self._ranks: dict[ParallelMode, tuple[int, ...]] = {}
         self._groups: dict[ParallelMode, dist.ProcessGroup] = {}
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        timeout = timedelta(seconds=config.timeout_s)  # new_group does not inherit WORLD's
         # Every rank walks every group in the same order (new_group is collective);
         # identical rank lists share one process group.
         for mode, parts in build_groups(config, dist.get_world_size()).items():
@@ -41,7 +49,7 @@ class ParallelContext:
                     made[ranks] = (
                         dist.GroupMember.WORLD
                         if len(ranks) == dist.get_world_size()
-                        else dist.new_group(list(ranks))
+                        else dist.new_group(list(ranks), timeout=timeout)
                     )
                 if self.global_rank in ranks:
                     self._ranks[mode] = ranks
@@ -154,7 +162,64 @@ def using_context(ctx: ParallelContext) -> Iterator[ParallelContext]:
 
 
 def destroy() -> None:
-    """Destroy every process group and forget the current context."""
+    """Destroy every process group and forget the current context.
+
+    Returns once torch's gloo worker threads are idle. A worker that drops the
+    last reference to a collective's tensor after the interpreter has begun to
+    shut down needs the GIL, and Python then ends that thread with
+    ``pthread_exit`` inside a noexcept C++ frame: "terminate called without an
+    active exception", SIGABRT, a finished job exiting 1. A group object still
+    held by Python objects (the context, an engine's gradient buckets) keeps its
+    workers until those objects go, so the workers are waited for, not joined.
+    """
     set_context(None)
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles go now, which joins their workers
+    wait_for_idle_workers()
+
+
+def _gloo_workers() -> dict[str, tuple[bytes, tuple[str, ...]]]:
+    """{thread id: (state, context-switch counts)} of this process's gloo worker threads (Linux
+    /proc; {} elsewhere)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        base = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{base}/comm") as f:
+                if f.read().strip() != GLOO_WORKER:
+                    continue
+            with open(f"{base}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"{base}/status") as f:
+                switches = tuple(line for line in f if "ctxt_switches" in line)
+        except (OSError, IndexError):
+            continue  # the thread has just ended
+        out[tid] = (state, switches)
+    return out
+
+
+def wait_for_idle_workers(timeout_s: float = 30.0, settle_s: float = 0.02) -> bool:
+    """Wait until every gloo worker thread sleeps and stays asleep for ``settle_s``.
+
+    The sleep between looks releases the GIL, so a worker waiting for it runs
+    and is seen to (its state or its context-switch counts change); a worker
+    preempted after completing a collective, before releasing it, is runnable.
+    Called by ``destroy()`` and at interpreter exit (before Python starts to
+    shut down). Returns False if some worker was still busy after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        now = _gloo_workers()
+        if now == last and all(state == b"S" for state, _ in now.values()):
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("gloo worker threads still busy after %.0fs: %s", timeout_s, now)
+            return False
+        last = now
+        time.sleep(settle_s)

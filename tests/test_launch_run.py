@@ -1,0 +1,251 @@
+"""`gridtrain run` on real processes: a loopback-only store, signals reaching every worker, a stuck
+or failing rank ending the job with its traceback, and restarts by torch's elastic agent.
+
+Each test starts a 2-rank job through the real command line (torch.distributed.run underneath).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.harness import free_port
+
+from gridtrain.launch import CONFIG_ENV
+
+PRELUDE = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+import gridtrain as gt
+
+def say(text):
+    sys.stdout.write(f"rank {os.environ['RANK']} {text}\\n")
+    sys.stdout.flush()
+"""
+
+
+def gridtrain_command() -> list[str]:
+    script = Path(sys.executable).parent / "gridtrain"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "gridtrain.cli"]
+
+
+def start(tmp_path: Path, body: str, config: str = "", *options: str) -> subprocess.Popen:
+    """Start `gridtrain run --nproc_per_node 2 [options] --config config.py job.py` in tmp_path."""
+    (tmp_path / "config.py").write_text(config)
+    (tmp_path / "job.py").write_text(PRELUDE + body)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop(CONFIG_ENV, None)
+    argv = ["run", "--nproc_per_node", "2", "--master_port", str(free_port()), *options]
+    return subprocess.Popen(
+        [*gridtrain_command(), *argv, "--config", "config.py", "job.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the test can clean up whatever a failed fix leaves behind
+    )
+
+
+def processes_in(directory: Path) -> list[int]:
+    """Pids of living processes (not zombies, not this one) working in ``directory``: the job's
+    launcher, agent(s) and workers all run there."""
+    found = []
+    for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if cwd == str(directory) and state != b"Z" and pid != os.getpid():
+            found.append(pid)
+    return found
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    """tmp_path; every process still working there at the end is killed (by its own pid)."""
+    yield tmp_path
+    for pid in processes_in(tmp_path):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def wait_for_line(proc: subprocess.Popen, lines: list[str], needles: set[str], timeout=240):
+    """Read output lines until every needle has appeared in one (collected into ``lines``)."""
+    deadline = time.monotonic() + timeout
+    missing = set(needles)
+    while missing and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        missing = {n for n in missing if n not in line}
+    assert not missing, f"never printed {missing}:\n{''.join(lines)}"
+
+
+# ---- the rendezvous store ------------------------------------------------------------------
+LISTENERS = """
+def listening(port):
+    # local addresses of listening TCP sockets on `port`, from /proc/net/tcp and tcp6
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in open(table).read().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:
+                found.append(addr)
+    return found
+
+ctx = gt.launch_from_torch(backend="gloo")
+if ctx.global_rank == 0:
+    say(f"store listens on {sorted(listening(int(os.environ['MASTER_PORT'])))}")
+gt.destroy()
+"""
+
+
+def test_local_run_store_listens_on_loopback_only(job_dir):
+    code, out = finish(start(job_dir, LISTENERS))
+    assert code == 0, out
+    # 0100007F is 127.0.0.1 as /proc writes it; all interfaces would be 00000000 (or :: in tcp6)
+    assert "rank 0 store listens on ['0100007F']" in out, out
+
+
+# ---- signals --------------------------------------------------------------------------------
+FOREVER = """
+ctx = gt.launch_from_torch(backend="gloo")
+say(f"pid {os.getpid()} training")
+while True:  # a job that would train forever
+    dist.all_reduce(torch.ones(4))
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_gridtrain_run_stops_every_worker(job_dir, signum):
+    proc = start(job_dir, FOREVER)
+    lines: list[str] = []
+    wait_for_line(proc, lines, {"rank 0 pid", "rank 1 pid"})
+    workers = [int(line.split()[3]) for line in lines if " pid " in line and "training" in line]
+    assert len(workers) == 2
+    os.kill(proc.pid, signum)  # gridtrain run alone, as `kill PID` or a scheduler would
+    code, out = finish(proc, timeout=120)
+    assert code == 128 + signum, "".join(lines) + out
+    time.sleep(1.0)  # the agent reaps its workers as it exits
+    left = processes_in(job_dir)
+    assert left == [], f"still running after gridtrain run exited: {left}\n{''.join(lines)}{out}"
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or b"Z" in Path(f"/proc/{pid}/stat").read_bytes()
+
+
+FAKE_SSH = """#!/bin/sh
+# fake ssh: [OPTIONS] -- HOST COMMAND; runs COMMAND here, as sshd would on HOST
+while [ "$1" != "--" ]; do shift; done
+exec sh -c "$3"
+"""
+
+
+def test_sigterm_reaches_the_workers_of_every_host(job_dir, monkeypatch):
+    """The multi-host path: one (fake, local) ssh session per host, SIGTERM to gridtrain run."""
+    ssh = job_dir / "bin" / "ssh"
+    ssh.parent.mkdir()
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{ssh.parent}{os.pathsep}{os.environ['PATH']}")
+    proc = start(job_dir, FOREVER, "", "--host", "node1,node2", "--master_addr", "127.0.0.1")
+    lines: list[str] = []
+    # one process per node here (--nproc_per_node 2 x 2 hosts = 4 ranks)
+    wait_for_line(proc, lines, {"rank 0 pid", "rank 1 pid", "rank 2 pid", "rank 3 pid"})
+    assert any(line.startswith("[node2] ") for line in lines), "".join(lines)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out = finish(proc, timeout=120)
+    assert code == 128 + signal.SIGTERM, "".join(lines) + out
+    time.sleep(1.0)
+    left = processes_in(job_dir)
+    assert left == [], f"still running after gridtrain run exited: {left}\n{''.join(lines)}{out}"
+
+
+# ---- failures -------------------------------------------------------------------------------
+STUCK = """
+ctx = gt.launch_from_torch(backend="gloo")
+say("launched")
+
+def stuck_here():
+    time.sleep(3600)  # a rank that hangs (a deadlock, a dead file system...)
+
+if ctx.global_rank == 1:
+    stuck_here()
+dist.all_reduce(torch.ones(1))  # rank 0 waits for rank 1 here
+"""
+
+
+def test_a_stuck_rank_ends_the_job_within_timeout_s_showing_where_it_hung(job_dir):
+    proc = start(job_dir, STUCK, "timeout_s = 10\n")
+    lines: list[str] = []
+    wait_for_line(proc, lines, {"rank 0 launched", "rank 1 launched"})
+    launched = time.monotonic()
+    code, out = finish(proc, timeout=180)
+    elapsed = time.monotonic() - launched
+    text = "".join(lines) + out
+    assert code != 0, text
+    # 10 s timeout, then the agent stops rank 1 and exits; slack for a loaded machine
+    assert elapsed < 10 + 40, (elapsed, text)
+    assert "Timed out" in text or "timed out" in text, text
+    # rank 1's stack, dumped when the agent stopped it: the line it was stuck on
+    assert "in stuck_here" in text and "job.py" in text, text
+
+
+RAISES = """
+ctx = gt.launch_from_torch(backend="gloo")
+if ctx.global_rank == 1:
+    time.sleep(1)
+    raise ValueError("boom from rank 1")
+dist.all_reduce(torch.ones(1))  # rank 0 learns of it as a lost connection
+"""
+
+
+def test_the_failing_rank_traceback_comes_first_and_is_the_root_cause(job_dir):
+    code, out = finish(start(job_dir, RAISES))
+    assert code == 1, out
+    first = out.index("ValueError: boom from rank 1")
+    peer = [out.find(s) for s in ("Connection closed by peer", "Connection reset by peer")]
+    assert all(p == -1 or p > first for p in peer), out
+    root = out[out.index("Root Cause") :]
+    assert "rank      : 1" in root and "ValueError: boom from rank 1" in root, root
+
+
+# ---- restarts -------------------------------------------------------------------------------
+RESTARTS = """
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+ctx = gt.launch_from_torch(backend="gloo")
+say(f"attempt {attempt}")
+marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "failed_once")
+if ctx.global_rank == 1 and not os.path.exists(marker):
+    open(marker, "w").close()
+    raise SystemExit(3)  # one rank dies on the first attempt only
+t = torch.ones(1)
+dist.all_reduce(t)
+say(f"finished attempt {attempt} sum {t.item():.0f}")
+gt.destroy()
+"""
+
+
+def test_max_restarts_restarts_every_rank_and_the_job_succeeds(job_dir):
+    code, out = finish(start(job_dir, RESTARTS, "", "--max-restarts", "1"))
+    assert code == 0, out
+    for rank in (0, 1):
+        assert f"rank {rank} attempt 0" in out and f"rank {rank} attempt 1" in out, out
+        assert f"rank {rank} finished attempt 1 sum 2" in out, out
+    assert "finished attempt 0" not in out, "rank 1 died before the first all-reduce"
