@@ -2,7 +2,14 @@
 
 from gridtrain import data, nn
 from gridtrain.config import Config, ConfigError
-from gridtrain.engine import Engine, initialize, load_checkpoint, save_checkpoint
+from gridtrain.engine import (
+    Engine,
+    initialize,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    wait_pending,
+)
 from gridtrain.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from gridtrain.parallel.context import ParallelContext, destroy, get_context
 from gridtrain.parallel.materialize import lazy_init
@@ -23,10 +30,12 @@ __all__ = [
     "launch",
     "launch_from_openmpi",
     "launch_from_slurm",
+    "latest_checkpoint",
     "launch_from_torch",
     "lazy_init",
     "nn",
     "load_checkpoint",
     "load_full_state_dict",
     "save_checkpoint",
+    "wait_pending",
 ]

@@ -239,7 +239,7 @@ def _train_with_checkpoints(ctx, ckpt_dir, resume_epoch):
 def test_save_checkpoint_hook_writes_and_load_checkpoint_hook_resumes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     full = run_distributed(_train_with_checkpoints, 2, ckpt, None, timeout=TIMEOUT)[0]
-    assert full["saved"] == ["epoch_1_t.pt", "epoch_2_t.pt", "epoch_3_t.pt"]
+    assert full["saved"] == ["epoch_1_t", "epoch_2_t", "epoch_3_t"]  # sharded directories
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == full["saved"]
     resumed = run_distributed(_train_with_checkpoints, 2, ckpt, 1, timeout=TIMEOUT)
     assert resumed[0]["records"] == resumed[1]["records"]

@@ -11,17 +11,16 @@ pipeline partitioner cuts. The head reuses the embedding's Parameter object:
 when embed and head land on different stages, the tie must be kept by a
 shared-module gradient handler (the state dict lists the tensor under both keys).
 
-Attention is tensor-parallel by construction. Each block creates its Linears in
-the order qkv, proj, fc, fc2; under 1d consecutive ``gt.nn.Linear``\\s alternate
-column- then row-parallel, so qkv's output (and fc's) is split over the tensor
-group and proj (and fc2) reduce it back. The dense qkv weight is laid out *head
-by head* (rows ``[head, (q, k, v), head_dim]``, unlike Hugging Face's
+The model is plain PyTorch with ``gt.nn`` hints; ``gt.initialize`` shards it as
+the config says. Under 1d the traced plan makes qkv and fc column-parallel and
+proj and fc2 row-parallel. The dense qkv weight is laid out *head by head*
+(rows ``[head, (q, k, v), head_dim]``, unlike Hugging Face's
 ``[(q, k, v), head, head_dim]``), so any contiguous split of its output is a
 whole number of heads with their own q, k and v. Attention derives its local
 head count from the local qkv width, so the same code runs unsharded, under 1d
 and under the 2d/2.5d/3d layouts whose Linears split the hidden dimension.
-Under 'sequence' each rank holds a block of positions: attention becomes ring
-attention, positions start at the block's offset and the loss takes ``[B, V, S]``.
+Under 'sequence' each rank holds a block of positions: ``gt.nn.attention`` is
+ring attention and ``gt.nn.position_ids`` starts at the block's offset.
 """
 
 from __future__ import annotations
@@ -36,11 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import gridtrain as gt
-import gridtrain.nn as gnn
 from gridtrain.parallel.context import get_context, has_context, set_context
-from gridtrain.parallel.sharding import full_state_dict, get_shard_spec, shard_tensor
-from gridtrain.parallel.tensor import sequence
-from gridtrain.parallel.tensor.sequence import ring_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +94,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        self.qkv = gnn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
-        self.proj = gnn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.resid_drop = gnn.Dropout(cfg.dropout)
-        self.ring = _tensor_mode() == "sequence"  # decided at build time, as the layers are
+        self.qkv = gt.nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.proj = gt.nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = gt.nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)  # [B, S, 3 * local heads * head_dim], head-major
@@ -110,8 +104,8 @@ class CausalSelfAttention(nn.Module):
         heads = width // (3 * self.head_dim)
         q, k, v = qkv.view(b, s, heads, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         p = self.dropout if self.training else 0.0
-        if self.ring:  # this rank holds a block of positions: ring attention
-            y = ring_attention(q.contiguous(), k.contiguous(), v.contiguous(), True, dropout_p=p)
+        if _tensor_mode() == "sequence":  # this rank holds a block of positions: ring attention
+            y = gt.nn.attention(q.contiguous(), k.contiguous(), v.contiguous(), True, dropout_p=p)
         else:
             with _tensor_rng(p):
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
@@ -133,9 +127,9 @@ def _tensor_rng(p: float):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = gnn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.fc2 = gnn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.drop = gnn.Dropout(cfg.dropout)
+        self.fc = gt.nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.fc2 = gt.nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = gt.nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.drop(self.fc2(F.gelu(self.fc(x), approximate="tanh")))
@@ -146,9 +140,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = gnn.LayerNorm(cfg.n_embd)
+        self.ln_1 = gt.nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = gnn.LayerNorm(cfg.n_embd)
+        self.ln_2 = gt.nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -162,10 +156,9 @@ class Embed(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.block_size = cfg.block_size
-        self.tok = gnn.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
-        self.pos = gnn.VocabParallelEmbedding(cfg.block_size, cfg.n_embd)
-        self.drop = gnn.Dropout(cfg.dropout)
-        self.sequence_blocks = _tensor_mode() == "sequence"
+        self.tok = gt.nn.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = gt.nn.VocabParallelEmbedding(cfg.block_size, cfg.n_embd)
+        self.drop = gt.nn.Dropout(cfg.dropout)
 
     def forward(self, idx: Tensor) -> Tensor:
         if idx.shape[-1] > self.block_size:
@@ -174,11 +167,7 @@ class Embed(nn.Module):
             )
         # positions take the token tensor's shape, so any batch split applies to both alike;
         # under 'sequence' this rank's tokens start at its block's offset
-        if self.sequence_blocks:
-            pos = sequence.position_ids(idx.shape[-1], idx.device)
-        else:
-            pos = torch.arange(idx.shape[-1], device=idx.device)
-        pos = pos.expand_as(idx)
+        pos = gt.nn.position_ids(idx.shape[-1], idx.device).expand_as(idx)
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -188,8 +177,8 @@ class Head(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tok_weight: nn.Parameter):
         super().__init__()
-        self.ln_f = gnn.LayerNorm(cfg.n_embd)
-        self.classifier = gnn.VocabParallelClassifier(
+        self.ln_f = gt.nn.LayerNorm(cfg.n_embd)
+        self.classifier = gt.nn.VocabParallelClassifier(
             cfg.n_embd, cfg.vocab_size, weight=tok_weight, bias=False
         )
 
@@ -215,24 +204,14 @@ class GPT(nn.Sequential):
 
 
 class GPTLoss(nn.Module):
-    """Next-token cross entropy of ``[B, S, V]`` logits and ``[B, S]`` targets.
-
-    The tensor-parallel losses take classes on the last dim (and recognise their
-    sharded logits by tags a reshape would lose); torch's own wants ``[N, V]``;
-    the sequence-parallel one ``[B, V, S_local]`` (its mean covers the whole sequence).
-    """
+    """Next-token cross entropy of ``[B, S, V]`` logits (any layout: gathered, vocab-sharded,
+    sequence-split) and ``[B, S]`` targets."""
 
     def __init__(self):
         super().__init__()
-        self.ce = gnn.CrossEntropyLoss()
-        self.flatten = type(self.ce) is nn.CrossEntropyLoss
-        self.class_dim_1 = _tensor_mode() == "sequence"  # [B, V, S_local] with its token labels
+        self.ce = gt.nn.CrossEntropyLoss()
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        if self.flatten:
-            return self.ce(logits.flatten(0, -2), targets.flatten())
-        if self.class_dim_1:
-            return self.ce(logits.transpose(1, 2), targets)
         return self.ce(logits, targets)
 
 
@@ -247,58 +226,40 @@ def _init_std(key: str, cfg: GPTConfig) -> float | None:
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: GPTConfig, seed: int = 0) -> None:
-    """Draw every *dense* tensor from one seeded CPU generator, then keep this rank's shard.
-
-    The weights therefore equal those of the model built with no parallelism,
-    whatever the layout (a layer's own init would depend on its shard shape).
-    """
+    """GPT-2's init drawn from one seeded CPU generator, tensor by tensor in state-dict order,
+    so every run (and every layout, which the engine cuts from these weights) starts alike."""
     gen = torch.Generator().manual_seed(seed)
-    ctx = gt.get_context() if has_context() else None
     seen: set[int] = set()
     for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:  # the tied classifier weight
+        if id(t) in seen or t.is_meta:  # the tied classifier weight; gt.lazy_init
             continue
         seen.add(id(t))
-        spec = get_shard_spec(t)
-        shape = _dense_shape(t, spec, ctx)
         std = _init_std(key, cfg)
         if std is not None:
-            full = torch.empty(shape).normal_(0.0, std, generator=gen)
+            t.copy_(torch.empty(t.shape).normal_(0.0, std, generator=gen))
         elif key.endswith(".weight"):  # LayerNorm scale
-            full = torch.ones(shape)
+            t.fill_(1.0)
         else:
-            full = torch.zeros(shape)
-        if spec:
-            full = shard_tensor(full, spec, ctx)
-        t.copy_(full.to(t.dtype))
+            t.zero_()
 
 
-def _dense_shape(t: Tensor, spec, ctx) -> list[int]:
-    shape = list(t.shape)
-    for dim, mode in spec:
-        shape[dim] *= ctx.world_size(mode)
-    return shape
+def dense_copy(model: nn.Module, cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
+    """A single-process GPT holding ``model``'s full weights (collective: call on every rank)."""
+    dense = GPT(cfg)
+    dense.load_state_dict(gt.full_state_dict(model))
+    return dense.to(device)
 
 
 @contextlib.contextmanager
-def dense_layers():
-    """Inside the block ``gt.nn`` builds unsharded layers even where a parallel context is
-    current (for a rank-local dense copy, e.g. to sample from ``gt.full_state_dict``)."""
+def single_process():
+    """Run a dense copy on one rank: ``gt.nn.attention`` and positions act as with no
+    parallelism inside (they read the current context at call time)."""
     saved = get_context() if has_context() else None
     set_context(None)
     try:
         yield
     finally:
         set_context(saved)
-
-
-def dense_copy(model: nn.Module, cfg: GPTConfig, device: torch.device | str = "cpu") -> GPT:
-    """A single-process GPT holding ``model``'s full weights (collective: call on every rank)."""
-    state = full_state_dict(model)
-    with dense_layers():
-        dense = GPT(cfg)
-    dense.load_state_dict(state)
-    return dense.to(device)
 
 
 @torch.no_grad()
@@ -315,6 +276,13 @@ def generate(
     block_size = model.cfg.block_size
     was_training = model.training
     model.eval()
+    with single_process():
+        idx = _sample(model, idx, max_new_tokens, block_size, temperature, top_k, generator)
+    model.train(was_training)
+    return idx
+
+
+def _sample(model, idx, max_new_tokens, block_size, temperature, top_k, generator):
     for _ in range(max_new_tokens):
         logits = model(idx[:, -block_size:])[:, -1, :].float()
         if temperature == 0:
@@ -326,5 +294,4 @@ def generate(
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
-    model.train(was_training)
     return idx

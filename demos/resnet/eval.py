@@ -13,7 +13,7 @@ from common import add_data_args, datasets, launch
 from model import resnet18
 
 import gridtrain as gt
-from gridtrain.engine import AccuracyHook, LossHook, Trainer, checkpoint_path
+from gridtrain.engine import AccuracyHook, LossHook, Trainer, epoch_checkpoints
 
 logger = logging.getLogger("gridtrain")
 
@@ -27,9 +27,9 @@ def main() -> None:
 
     ctx = launch(args)
     _, test_set = datasets(args, ctx)
-    path = checkpoint_path(args.checkpoint, args.epoch)
-    if not path.is_file():
-        raise SystemExit(f"no checkpoint for epoch {args.epoch} at {path}")
+    path = epoch_checkpoints(args.checkpoint).get(args.epoch)  # dense file or sharded dir
+    if path is None:
+        raise SystemExit(f"no complete checkpoint for epoch {args.epoch} in {args.checkpoint}")
     model = resnet18(num_classes=10, stem=args.stem)
     gt.load_checkpoint(path, model)
     test_dl = gt.data.get_dataloader(test_set, ctx.config.BATCH_SIZE, shuffle=False)

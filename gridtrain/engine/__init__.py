@@ -1,53 +1,62 @@
-"""The training engine: initialize, Engine, schedules, checkpoints."""
+"""The training engine: initialize, Engine, schedules, checkpoints, the Trainer and its hooks."""
 
-from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
-from gridtrain.engine.engine import Engine
-from gridtrain.engine.initialize import initialize
-from gridtrain.engine.schedules import NonPipelineSchedule, Schedule, StepFunctions
-
-__all__ = [
-    "Engine",
-    "NonPipelineSchedule",
-    "Schedule",
-    "StepFunctions",
-    "initialize",
-    "load_checkpoint",
-    "save_checkpoint",
-]
-
-# Trainer and hooks (additive; see trainer.py, hooks*.py)
-from gridtrain.engine.hooks import (  # noqa: E402
+from gridtrain.engine.checkpoint import (
+    CheckpointFuture,
+    UnsafeCheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    wait_pending,
+)
+from gridtrain.engine.engine import Engine, NonFiniteLossError
+from gridtrain.engine.hooks import (
     BaseHook,
     LoadCheckpointHook,
     LRSchedulerHook,
     SaveCheckpointHook,
     checkpoint_path,
+    epoch_checkpoints,
     latest_checkpoint_epoch,
 )
-from gridtrain.engine.hooks_log import (  # noqa: E402
+from gridtrain.engine.hooks_log import (
     CSVLogHook,
     LogMetricByEpochHook,
     LossCurveHook,
     TensorboardHook,
 )
-from gridtrain.engine.hooks_metrics import AccuracyHook, LossHook, ThroughputHook  # noqa: E402
-from gridtrain.engine.metrics import MetricRecord  # noqa: E402
-from gridtrain.engine.trainer import Trainer  # noqa: E402
+from gridtrain.engine.hooks_metrics import AccuracyHook, LossHook, ThroughputHook
+from gridtrain.engine.initialize import initialize
+from gridtrain.engine.metrics import MetricRecord
+from gridtrain.engine.schedules import NonPipelineSchedule, Schedule, StepFunctions
+from gridtrain.engine.trainer import Trainer
 
-__all__ += [
+__all__ = [
     "AccuracyHook",
     "BaseHook",
     "CSVLogHook",
+    "CheckpointFuture",
+    "Engine",
     "LRSchedulerHook",
     "LoadCheckpointHook",
     "LogMetricByEpochHook",
     "LossCurveHook",
     "LossHook",
     "MetricRecord",
+    "NonFiniteLossError",
+    "NonPipelineSchedule",
     "SaveCheckpointHook",
+    "Schedule",
+    "StepFunctions",
     "TensorboardHook",
     "ThroughputHook",
     "Trainer",
+    "UnsafeCheckpointError",
     "checkpoint_path",
+    "epoch_checkpoints",
+    "initialize",
+    "latest_checkpoint",
     "latest_checkpoint_epoch",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wait_pending",
 ]
