@@ -11,7 +11,7 @@ import runpy
 import traceback
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -37,6 +37,7 @@ from gridtrain.config_sections import (
     ParallelConfig,
     PipelineConfig,
     TensorConfig,
+    _Section,
     _suggest,
 )
 
@@ -52,7 +53,31 @@ __all__ = [
     "ParallelConfig",
     "PipelineConfig",
     "TensorConfig",
+    "ZeroConfig",
 ]
+
+
+class ZeroConfig(_Section):
+    """``zero``: ZeRO sharding over each parameter's data-parallel group
+    (``gridtrain.parallel.zero``); an int is the stage."""
+
+    stage: Literal[1, 2, 3] = Field(
+        description="1: optimizer state (and fp32 masters), 2: also gradients, 3: also "
+        "parameters (FSDP2)"
+    )
+    offload: bool = Field(
+        False,
+        description="keep optimizer state and fp32 masters in CPU memory and step there; at "
+        "stage 3 also parameters between uses (FSDP2 CPUOffloadPolicy): the Gemini row",
+    )
+    bucket_size_mb: PositiveFloat = Field(
+        25.0, description="stages 1-2: size of one reduce-scatter / all-gather bucket"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _int_is_stage(cls, data: Any) -> Any:
+        return {"stage": data} if isinstance(data, int) and not isinstance(data, bool) else data
 
 
 class ConfigError(ValueError):
@@ -78,6 +103,9 @@ class Config(BaseModel):
     cudnn_benchmark: bool = Field(False, description="torch.backends.cudnn.benchmark")
     cudnn_deterministic: bool = Field(False, description="torch.backends.cudnn.deterministic")
     moe: MoeConfig = Field(default_factory=MoeConfig)
+    zero: ZeroConfig | None = Field(
+        None, description="ZeRO stage 1|2|3 (+ offload); None: plain data parallelism"
+    )
     max_nonfinite_steps: NonNegativeInt = Field(
         3,
         description="consecutive steps with a non-finite loss or gradient norm before training "
