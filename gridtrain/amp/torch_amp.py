@@ -3,7 +3,8 @@
 GradScaler finds infs on this rank's gradients only; tensor- and pipeline-
 parallel ranks hold different gradients, so the found-inf flags are all-reduced
 (max) over the MODEL group before the scaler steps, and all ranks skip together.
-Data-parallel ranks agree already: their gradients were averaged, infs included.
+Data-parallel ranks agree already: their gradients were averaged, infs included;
+under ZeRO they hold different rows, so the flags are agreed over GLOBAL.
 """
 
 from __future__ import annotations
@@ -50,16 +51,29 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 class TorchAmpOptimizer(AmpOptimizer):
     """Loss scaling with ``torch.amp.GradScaler``; the model stays fp32 under autocast."""
 
-    def __init__(self, optim: Optimizer, ctx: ParallelContext, cfg: Fp16Config):
+    def __init__(
+        self, optim: Optimizer, ctx: ParallelContext, cfg: Fp16Config, sharded: bool = False
+    ):
         super().__init__(optim)
         self.ctx = ctx
-        self.scaler = torch.amp.GradScaler(
-            ctx.device.type,
+        kwargs = dict(
             init_scale=cfg.initial_scale,
             growth_factor=cfg.growth_factor,
             backoff_factor=cfg.backoff_factor,
             growth_interval=cfg.growth_interval,
         )
+        # under ZeRO a rank holds only its rows of the gradients: data-parallel ranks no
+        # longer agree by themselves, so the flags are agreed over GLOBAL (torch's
+        # ShardedGradScaler all-reduces them over the group it is given)
+        self._group_mode = ParallelMode.GLOBAL if sharded else ParallelMode.MODEL
+        if sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(
+                ctx.device.type, process_group=ctx.group(ParallelMode.GLOBAL), **kwargs
+            )
+        else:
+            self.scaler = torch.amp.GradScaler(ctx.device.type, **kwargs)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
         return self.scaler.scale(loss)
@@ -71,7 +85,7 @@ class TorchAmpOptimizer(AmpOptimizer):
         found = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for flag in per_device.values():
             found = torch.maximum(found, flag.to(found.device))
-        comm.all_reduce_(found, self.ctx.group(ParallelMode.MODEL), op=dist.ReduceOp.MAX)
+        comm.all_reduce_(found, self.ctx.group(self._group_mode), op=dist.ReduceOp.MAX)
         if not per_device:  # no gradient on this rank: still give update() a flag
             per_device[self.ctx.device] = found.clone()
         for flag in per_device.values():

@@ -6,6 +6,11 @@ where ``copies`` is how many ranks hold an identical copy of that shard once
 data-parallel gradients are synced, and one scalar all-reduce over GLOBAL sums
 it: every distinct shard is then counted exactly once. The result equals
 ``torch.nn.utils.clip_grad_norm_`` on the dense model.
+
+Under ZeRO a rank holds only its rows of a shard's gradient (stages 1-2: the
+optimizer's row parameters; stage 3: FSDP2's DTensors, whose local rows are used):
+the rows of the ranks of its data-parallel group are distinct, so ``copies`` divides
+by that group's size.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import get_shard_spec, is_pipeline_shared
+from gridtrain.parallel.zero.partition import local, zero_world
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -30,6 +36,7 @@ def copies(param: Tensor, ctx: ParallelContext) -> int:
     Within one pipeline stage the data x tensor ranks hold ``prod(world sizes of
     the spec's modes)`` distinct shards, each as often as the rest; a tied
     weight tagged pipeline-shared (``tags.mark_pipeline_shared``) also lives on a second stage.
+    ZeRO rows of a shard (``zero.partition``) are split over the shard's data-parallel group.
     """
     replicas = ctx.world_size(ParallelMode.DATA) * ctx.world_size(ParallelMode.TENSOR)
     shards = math.prod(ctx.world_size(mode) for _, mode, _ in get_shard_spec(param))
@@ -38,7 +45,14 @@ def copies(param: Tensor, ctx: ParallelContext) -> int:
             f"a parameter's shard spec {get_shard_spec(param)} splits it {shards} ways, which does "
             f"not divide data x tensor = {replicas} ranks of a pipeline stage"
         )
-    return replicas // shards * (2 if is_pipeline_shared(param) else 1)
+    copies_of_shard = replicas // shards
+    split = zero_world(param, ctx)
+    if copies_of_shard % split:
+        raise ValueError(
+            f"a parameter's ZeRO rows are split {split} ways, which does not divide the "
+            f"{copies_of_shard} copies of its shard"
+        )
+    return copies_of_shard // split * (2 if is_pipeline_shared(param) else 1)
 
 
 def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext) -> Tensor:
@@ -49,7 +63,7 @@ def global_grad_norm(params: Iterable[Tensor], ctx: ParallelContext) -> Tensor:
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
-        total += p.grad.detach().float().pow(2).sum().to(ctx.device) / copies(p, ctx)
+        total += local(p.grad).detach().float().pow(2).sum().to(ctx.device) / copies(p, ctx)
     comm.all_reduce_(total, ctx.group(ParallelMode.GLOBAL))
     return total.sqrt()
 
@@ -65,5 +79,6 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float, ctx: ParallelConte
     norm = global_grad_norm(params, ctx)
     coef = (max_norm / (norm + EPS)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        grad = local(p.grad)
+        grad.mul_(coef.to(grad.device, grad.dtype))
     return norm

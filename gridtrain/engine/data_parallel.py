@@ -12,6 +12,11 @@ backward of an accumulation window (and a pipeline schedule around its last
 micro-batch's backward); any bucket not launched by then is reduced in
 ``finish()``. So accumulation, pipeline micro-batches and fp16 loss scaling all
 stay correct whether or not the overlap happens.
+
+ZeRO stages 1-2 drive the same path with their own buckets (``buckets=``: any objects
+with ``params``, ``launch(async_op)`` and ``finish()``; theirs reduce-scatter). A bucket
+marked ``deferred`` (tied pipeline weights, whose handler must sum first) is never
+launched from a hook, only by ``finish()``; such buckets come last.
 """
 
 from __future__ import annotations
@@ -30,11 +35,17 @@ class OverlappedDataParallel:
     """Averages each gradient over ``get_dp_mode(param)``, overlapping backward."""
 
     def __init__(
-        self, model: nn.Module, ctx: ParallelContext, bucket_size_mb: float = DEFAULT_BUCKET_MB
+        self,
+        model: nn.Module,
+        ctx: ParallelContext,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        buckets: list | None = None,
     ):
-        self.buckets = build_buckets(
-            model.parameters(), ctx, lambda p: get_dp_mode(p, ctx), bucket_size_mb
-        )
+        if buckets is None:
+            buckets = build_buckets(
+                model.parameters(), ctx, lambda p: get_dp_mode(p, ctx), bucket_size_mb
+            )
+        self.buckets = buckets
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -75,8 +86,10 @@ class OverlappedDataParallel:
         fired = self._fired[index]
         fired.add(id(param))
         if len(fired) == len(self.buckets[index].params):
-            while self._next < len(self.buckets) and len(self._fired[self._next]) == len(
-                self.buckets[self._next].params
+            while (
+                self._next < len(self.buckets)
+                and len(self._fired[self._next]) == len(self.buckets[self._next].params)
+                and not getattr(self.buckets[self._next], "deferred", False)
             ):
                 self.buckets[self._next].launch(async_op=True)
                 self._next += 1

@@ -73,8 +73,10 @@ class Engine:
         autocast_dtype=None,
         lr_scheduler=None,
         plan=None,
+        zero=None,
     ):
         self.model = model
+        self.zero = zero  # parallel.zero's stage 1-2 or stage 3 runtime, None without ZeRO
         self.optimizer = optimizer
         self.ctx = ctx
         self.schedule = schedule
@@ -189,7 +191,12 @@ class Engine:
 
         A no-op except in the accumulation window's last micro-step on the
         overlapped data-parallel path. Schedules wrap their final backward in it.
+        Under ZeRO only this backward reduce-scatters (earlier ones accumulate locally).
         """
+        if self.zero is not None:
+            with self.zero.sync(self.accumulation.in_last_micro_step):
+                yield
+            return
         if self.data_parallel is None or not self.accumulation.in_last_micro_step:
             yield
             return
@@ -219,10 +226,15 @@ class Engine:
         if not self.accumulation.window_complete:
             return False
         self.accumulation.reset()
-        if self.data_parallel is not None:
-            self.data_parallel.finish()
-        for handler in self.gradient_handlers:
-            handler.handle_gradient()
+        if self.zero is not None:  # tied pipeline weights sum their full gradients first
+            for handler in self.gradient_handlers:
+                handler.handle_gradient()
+            self.zero.finish_grad_sync()
+        else:
+            if self.data_parallel is not None:
+                self.data_parallel.finish()
+            for handler in self.gradient_handlers:
+                handler.handle_gradient()
         amp = self.optimizer if isinstance(self.optimizer, AmpOptimizer) else None
         overflow = amp.unscale_and_check() if amp is not None else False
         if self.clip_grad_norm > 0 and not overflow:
@@ -233,6 +245,8 @@ class Engine:
         skip = overflow or nonfinite
         if not skip:
             self.optimizer.step()
+            if self.zero is not None:
+                self.zero.after_step()  # stages 1-2: all-gather the updated rows
             self.global_step += 1
         if amp is not None:
             amp.update_scale(overflow)

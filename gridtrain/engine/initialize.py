@@ -30,6 +30,7 @@ from gridtrain.parallel.materialize import materialise
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import default_dp_mode, get_dp_mode, is_pipeline_shared
 from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan
+from gridtrain.parallel.zero import build_zero
 
 logger = logging.getLogger("gridtrain")
 
@@ -97,15 +98,16 @@ def initialize(
 
     Reads the context's config: the tensor mode and plan (``parallel.tensor``), pipeline
     stages (``parallel.pipeline``), mixed precision (``fp16``), ``gradient_handler``,
-    ``gradient_accumulation`` and ``clip_grad_norm``. A plain PyTorch or Hugging Face
+    ``gradient_accumulation``, ``clip_grad_norm`` and ``zero``. A plain PyTorch or Hugging Face
     model is sharded in place: its Linear, Embedding and norm layers become the mode's
     layers under the same names, starting from the weights the model holds, and
     ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
     the plan is traced, ``example_inputs`` (else the first batch of
     ``train_dataloader``, else the model's ``dummy_inputs``) drives the trace on meta.
     Parameters are then broadcast over their data-parallel group, so replicas start
-    equal. The engine steps ``lr_scheduler`` once per optimizer step; do not step it
-    yourself. ``engine.plan`` shows each layer's style and shard shape.
+    equal. With ``zero``, the optimizer is then rebound once more, to the rows of each
+    parameter this rank owns (``gridtrain.parallel.zero``). The engine steps
+    ``lr_scheduler`` once per optimizer step; do not step it yourself. ``engine.plan`` shows each layer's style and shard shape.
     """
     ctx = ctx or get_context()
     cfg = ctx.config
@@ -134,15 +136,22 @@ def initialize(
     if criterion is not None and isinstance(criterion, nn.Module):
         criterion.to(ctx.device)
     broadcast_from_first_replica(model, ctx)
-    model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx)
+    zero = build_zero(model, optimizer, ctx)  # rebinds the optimizer to this rank's rows
+    model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx, zero)
 
     names = [h.type for h in cfg.gradient_handler]
     cfg_handlers = list(cfg.gradient_handler)
+    if zero is not None and any(n in DATA_PARALLEL_HANDLERS for n in names):
+        logger.info("zero stage %d reduces gradients itself: %s not used", zero.stage, names)
+        cfg_handlers = [h for h in cfg_handlers if h.type not in DATA_PARALLEL_HANDLERS]
+        names = [h.type for h in cfg_handlers]
     if "PipelineSharedModuleGradientHandler" not in names and _any_rank_has_shared(model, ctx):
         cfg_handlers.append(GradientHandlerConfig(type="PipelineSharedModuleGradientHandler"))
     handlers = [handler_class(h.type)(model, ctx, **h.kwargs) for h in cfg_handlers]
     data_parallel = None
-    if not any(n in DATA_PARALLEL_HANDLERS for n in names):
+    if zero is not None:
+        data_parallel = zero.grad_sync  # stages 1-2: the overlapped path, reduce-scattering
+    elif not any(n in DATA_PARALLEL_HANDLERS for n in names):
         data_parallel = OverlappedDataParallel(model, ctx)
         if not data_parallel.enabled:
             data_parallel.remove_hooks()
@@ -165,5 +174,6 @@ def initialize(
         autocast_dtype=autocast_dtype,
         lr_scheduler=lr_scheduler,
         plan=plan,
+        zero=zero,
     )
     return engine, train_dataloader, test_dataloader, lr_scheduler

@@ -1,5 +1,12 @@
 """What both checkpoint formats share: dense names, the optimizer's parameters, where this rank's
-shard lies in the dense tensor, every RNG state of the rank, and the layout it ran under."""
+shard lies in the dense tensor, every RNG state of the rank, and the layout it ran under.
+
+Under ZeRO a rank holds only some rows of its tensor-parallel shard
+(``parallel.zero.partition``): stages 1-2 in the optimizer's parameters and state,
+stage 3 in FSDP2's DTensor parameters too. ``chunk_view`` describes exactly those rows
+as chunks of the dense tensor, so the sharded format writes each rank's rows once and
+reads any layout's rows back; the dense format gathers them first (``full_model_state``).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,26 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import unwrap
+from gridtrain.parallel.sharding import (
+    dense_items,
+    dense_shape,
+    full_tensor,
+    get_shard_spec,
+    shard_tensor,
+    unwrap,
+)
 from gridtrain.parallel.tags import ShardSpec, as_spec
+from gridtrain.parallel.zero.partition import (
+    ZeroRows,
+    copy_full_local,
+    full_local,
+    get_owner,
+    get_zero_rows,
+    local,
+)
 
 logger = logging.getLogger("gridtrain")
 
@@ -37,7 +60,11 @@ def inner(optimizer):
 
 
 def owner(optimizer, param: Tensor) -> Tensor:
-    """The model parameter an optimizer parameter stands for (fp16 masters: the fp16 weight)."""
+    """The model parameter an optimizer parameter stands for (fp16 masters: the fp16 weight;
+    ZeRO stages 1-2: the parameter whose rows it holds)."""
+    zero_owner = get_owner(param)
+    if zero_owner is not None:
+        return zero_owner
     return optimizer.model_param_for(param) if hasattr(optimizer, "model_param_for") else param
 
 
@@ -116,7 +143,29 @@ def shard_chunks(
     return tuple(dense), [c if c else ((), (), ()) for c in chunks]
 
 
-def chunk_view(t: Tensor, spec: ShardSpec, ctx: ParallelContext) -> Tensor:
+def _rows_only(chunks: list[Chunk], rows: ZeroRows, owned: int) -> list[Chunk]:
+    """The parts of ``chunks`` (of the full local tensor) inside rows ``[start, start+owned)``,
+    with local offsets counted from ``start``."""
+    out = []
+    lo, hi = rows.start, rows.start + owned
+    for glob, loc, size in chunks:
+        a, b = max(loc[0], lo), min(loc[0] + size[0], hi)
+        if a >= b:
+            continue
+        shift = a - loc[0]
+        out.append(
+            (
+                (glob[0] + shift, *glob[1:]),
+                (a - lo, *loc[1:]),
+                (b - a, *size[1:]),
+            )
+        )
+    return out
+
+
+def chunk_view(
+    t: Tensor, spec: ShardSpec, ctx: ParallelContext, rows: ZeroRows | None = None
+) -> Tensor | None:
     """``t`` (same storage) described to DCP as chunks of the dense tensor.
 
     We use DCP's ``CheckpointableTensor`` protocol (new in the pinned torch 2.14): a plain local
@@ -128,14 +177,61 @@ def chunk_view(t: Tensor, spec: ShardSpec, ctx: ParallelContext) -> Tensor:
     default planners then write each chunk once (identical chunks of replicas
     are deduplicated by offset) and read, on load, exactly the overlap of the
     saved chunks with this rank's chunks: that is the resharding.
+
+    ZeRO: ``t`` holds only ``rows`` (default: its own tag) of the tensor-parallel shard
+    (a DTensor: its local rows); the chunks are cut to those rows. None when this rank
+    owns no rows of it (nothing to write or read).
     """
-    dense, chunks = shard_chunks(tuple(t.shape), spec, ctx)
+    rows = rows if rows is not None else get_zero_rows(t)
+    t = local(t)
+    if rows is None or t.dim() == 0:
+        dense, chunks = shard_chunks(tuple(t.shape), spec, ctx)
+    else:
+        dense, chunks = shard_chunks((rows.rows, *t.shape[1:]), spec, ctx)
+        chunks = _rows_only(chunks, rows, t.shape[0])
+        if not chunks:
+            return None
     view = t.detach()
     view.global_shape = dense
     view.global_offsets = tuple(c[0] for c in chunks)
     view.local_offsets = tuple(c[1] for c in chunks)
     view.local_sizes = tuple(c[2] for c in chunks)
     return view
+
+
+# ---- whole model state, ZeRO-aware ------------------------------------------------------------
+def full_model_state(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor]:
+    """``gt.full_state_dict`` that also gathers ZeRO-3 (DTensor) parameters: dense keys and
+    shapes, every pipeline stage's, on every rank (CPU tensors). Collective."""
+    out = {
+        key: full_tensor(full_local(t, ctx), get_shard_spec(t), ctx).detach().cpu().clone()
+        for key, t in dense_items(model)
+    }
+    if ctx.world_size(ParallelMode.PIPELINE) > 1:
+        merged: dict[str, Tensor] = {}
+        for stage in comm.all_gather_object(out, ctx.group(ParallelMode.PIPELINE)):
+            merged.update(stage)  # tied weights appear on two stages with equal values
+        out = merged
+    return out
+
+
+@torch.no_grad()
+def load_model_state(model: nn.Module, state: dict[str, Tensor], ctx: ParallelContext) -> None:
+    """``gt.load_full_state_dict`` that also fills ZeRO-3 parameters (this rank's rows only).
+    Every shape is checked before anything is copied."""
+    items = list(dense_items(model))
+    missing = [key for key, _ in items if key not in state]
+    if missing:
+        raise KeyError(f"full state dict lacks {len(missing)} keys, e.g. {missing[:5]}")
+    for key, t in items:
+        want = dense_shape(t, ctx)
+        if tuple(state[key].shape) != want:
+            raise ValueError(
+                f"'{key}': dense shape {tuple(state[key].shape)} differs from the model's {want}"
+            )
+    for key, t in items:
+        full = shard_tensor(state[key].to(local(t).device), get_shard_spec(t), ctx)
+        copy_full_local(t, full, ctx)
 
 
 # ---- layout and RNG ----------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""ZeRO over each parameter's data-parallel group: ``zero = dict(stage=1 | 2 | 3, offload=...)``.
+
+* stage 1 (``partitioned``): each rank's optimizer steps only its rows of every
+  parameter (state and fp32 masters sharded); gradients reduce-scattered at the end
+  of the window, every rank keeping its full gradients; rows all-gathered after the step.
+* stage 2 (``partitioned``): as 1, and each gradient is dropped once its bucket is
+  reduce-scattered (during the last backward).
+* stage 3 (``fsdp``): FSDP2 ``fully_shard``, parameters sharded too; ``offload=True``
+  keeps sharded parameters, gradients and optimizer state on the CPU (Gemini).
+
+``partition`` says which rows a rank owns (the same at every stage, so checkpoints
+move between stages); ``memory`` measures what a rank holds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.optim import Optimizer
+
+from gridtrain.config import ConfigError
+from gridtrain.parallel.context import ParallelContext
+
+if TYPE_CHECKING:
+    from gridtrain.parallel.zero.fsdp import FsdpZero
+    from gridtrain.parallel.zero.partitioned import PartitionedZero
+
+
+def build_zero(
+    model: nn.Module, optimizer: Optimizer, ctx: ParallelContext
+) -> PartitionedZero | FsdpZero | None:
+    """Apply the config's ``zero`` section to ``model`` and rebind ``optimizer`` (a torch
+    optimizer, before mixed precision wraps it); None without one.
+
+    Called by ``gt.initialize`` after the pipeline cut and the data-parallel broadcast.
+    """
+    cfg = ctx.config.zero
+    if cfg is None:
+        return None
+    from gridtrain.amp.types import AMP_TYPE
+
+    fp16 = ctx.config.fp16
+    amp = AMP_TYPE(fp16.mode) if fp16 is not None and fp16.mode is not None else None
+    if amp is AMP_TYPE.APEX:
+        raise ConfigError(
+            "zero does not combine with fp16 mode 'apex' (apex patches the optimizer it "
+            "would shard); use AMP_TYPE.NAIVE, TORCH or BF16"
+        )
+    if cfg.stage == 3:
+        from gridtrain.parallel.zero.fsdp import FsdpZero
+
+        return FsdpZero(model, optimizer, ctx, amp=amp, offload=cfg.offload)
+    from gridtrain.parallel.zero.partitioned import PartitionedZero
+
+    return PartitionedZero(
+        model,
+        optimizer,
+        ctx,
+        cfg.stage,
+        copy_masters=amp is AMP_TYPE.NAIVE,
+        offload=cfg.offload,
+        bucket_size_mb=cfg.bucket_size_mb,
+    )
+
+
+__all__ = ["build_zero"]

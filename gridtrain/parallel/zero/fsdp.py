@@ -1,0 +1,219 @@
+"""ZeRO stage 3 (and Gemini: stage 3 with offload) on FSDP2, ``torch.distributed.fsdp.fully_shard``.
+
+Every parameter (a tensor-parallel layer's local shard, or a whole weight) becomes a
+DTensor sharded along dim 0 over a one-dimensional ``DeviceMesh`` built from its
+data-parallel group (``DeviceMesh.from_group(ctx.group(get_dp_mode(p)))``), so 1d, 2d,
+2.5d, 3d and sequence layouts are sharded further over their data ranks and experts
+over EXPERT_DATA. FSDP2 all-gathers a unit's parameters before its forward and again
+before its backward, frees them after each (``reshard_after_forward=True``) and
+reduce-scatters the gradients. Units: each module held in an ``nn.ModuleList`` or
+``nn.Sequential`` (a transformer's blocks, a ResNet's blocks), modules whose weights
+average over another group (experts), and the root for the rest.
+
+Mixed precision maps onto FSDP2's ``MixedPrecisionPolicy``: naive fp16 keeps the
+sharded fp32 parameters as the masters and computes in fp16 (gradients reduced in
+fp32); bf16 gathers bf16; torch amp keeps fp32 parameters under autocast.
+``offload=True`` adds ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer
+state stay in CPU memory and the optimizer steps there (the Gemini row).
+
+Gradient accumulation and pipeline micro-batches reduce only in the window's last
+backward (``set_requires_gradient_sync``). The user's optimizer is rebound to the
+DTensor parameters, so ``optimizer.state`` holds DTensors of this rank's rows only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from gridtrain.amp.types import AMP_TYPE
+from gridtrain.engine.optimizer_rebind import rebind_optimizer
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tags import copy_tags, default_dp_mode, get_dp_mode
+from gridtrain.parallel.zero.partition import chunk_rows, owned_range, set_zero_rows
+
+logger = logging.getLogger("gridtrain")
+
+
+def mixed_precision(amp: AMP_TYPE | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a config's fp16 mode (the sharded parameters stay fp32)."""
+    if amp is AMP_TYPE.NAIVE:  # the fp16 model of naive amp; its fp32 masters are the shards
+        return MixedPrecisionPolicy(
+            param_dtype=torch.float16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+    if amp is AMP_TYPE.BF16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """Modules that get their own ``fully_shard``: those held in a ModuleList or Sequential
+    (not looking inside one chosen already), outermost first; the root is not included."""
+    chosen: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(module, nn.ModuleList | nn.Sequential) and module is not model:
+                if any(True for _ in child.parameters()):
+                    chosen.append(child)
+                continue
+            visit(child)
+
+    visit(model)
+    return chosen
+
+
+class FsdpZero:
+    """Stage 3 of one engine: ``fully_shard`` applied, the optimizer rebound to the DTensors."""
+
+    stage = 3
+    grad_sync = None  # FSDP2 reduces inside backward
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        ctx: ParallelContext,
+        amp: AMP_TYPE | None = None,
+        offload: bool = False,
+    ):
+        self.ctx, self.model = ctx, model
+        self._meshes: dict[ParallelMode, DeviceMesh] = {}
+        mp = mixed_precision(amp)
+        policy = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else None
+        old = dict(model.named_parameters())
+        managed: set[int] = set()
+        for module in _expert_units(model, ctx):  # another group than the default: first
+            self._shard(module, mp, policy, managed)
+        for module in reversed(units(model)):  # innermost first, as FSDP2 wants
+            self._shard(module, mp, policy, managed)
+        self._shard(model, mp, policy, managed, root=True)
+        self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        new_of = {}
+        for name, p in model.named_parameters():
+            before = old[name]
+            copy_tags(before, p)
+            mode = get_dp_mode(before, ctx)
+            n, rank = ctx.world_size(mode), ctx.local_rank(mode)
+            rows = before.shape[0] if before.dim() else 1
+            set_zero_rows(p, mode, owned_range(rows, n, rank)[0], rows)
+            new_of[id(before)] = p
+            state = optimizer.state.pop(before, None)
+            if state is not None:  # loaded before initialize: keep this rank's rows
+                optimizer.state[p] = {k: _as_dtensor_like(v, p, before) for k, v in state.items()}
+        rebind_optimizer(optimizer, new_of)
+        self._set_sync(False)  # backwards outside the window's last one accumulate locally
+        for m in self.fsdp_modules:  # experts: ranks may route no token to some of them
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+        logger.info(
+            "zero stage 3 (FSDP2): %d units, mixed precision %s, offload %s",
+            len(self.fsdp_modules),
+            amp,
+            offload,
+        )
+
+    def mesh(self, mode: ParallelMode) -> DeviceMesh:
+        if mode not in self._meshes:
+            self._meshes[mode] = DeviceMesh.from_group(
+                self.ctx.group(mode), self.ctx.device.type, mesh=list(self.ctx.ranks(mode))
+            )
+        return self._meshes[mode]
+
+    def _shard(
+        self,
+        module: nn.Module,
+        mp: MixedPrecisionPolicy,
+        policy: OffloadPolicy | None,
+        managed: set[int],
+        root: bool = False,
+    ) -> None:
+        params = [p for p in module.parameters() if id(p) not in managed]
+        if not params and not root:
+            return
+        modes = {get_dp_mode(p, self.ctx) for p in params} or {default_dp_mode(self.ctx)}
+        if len(modes) > 1:
+            raise ValueError(
+                f"zero stage 3: {type(module).__name__} holds parameters averaged over "
+                f"{sorted(m.name for m in modes)}; FSDP2 shards one module over one group, so "
+                "keep weights of another group (experts) in modules of their own"
+            )
+        kwargs = {"mesh": self.mesh(modes.pop()), "mp_policy": mp, "reshard_after_forward": True}
+        if policy is not None:
+            kwargs["offload_policy"] = policy
+        fully_shard(module, **kwargs)
+        managed.update(id(p) for p in params)
+
+    def _set_sync(self, on: bool) -> None:
+        for m in self.fsdp_modules:
+            m.set_requires_gradient_sync(on, recurse=False)
+            m.set_is_last_backward(on)
+
+    @contextlib.contextmanager
+    def sync(self, last: bool) -> Iterator[None]:
+        """Around a backward: only the window's last one reduce-scatters gradients."""
+        if not last:
+            yield
+            return
+        self._set_sync(True)
+        try:
+            yield
+        finally:
+            self._set_sync(False)
+
+    def finish_grad_sync(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def masters_from_model(self) -> None:
+        pass
+
+    def masters(self) -> list[tuple[Tensor, Tensor]]:
+        return []
+
+
+def _expert_units(model: nn.Module, ctx: ParallelContext) -> list[nn.Module]:
+    """The outermost modules all of whose parameters average over a non-default group."""
+    default = default_dp_mode(ctx)
+    out: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        modes = {get_dp_mode(p, ctx) for p in module.parameters()}
+        if modes and default not in modes and len(modes) == 1:
+            out.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
+def _as_dtensor_like(value, param: DTensor, dense: Tensor):
+    """A tensor of the parameter's full local shape, as a DTensor of this rank's rows."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or value.shape != dense.shape:
+        return value
+    mesh = param.device_mesh
+    rows = value.shape[0]
+    lo, hi = owned_range(rows, mesh.size(), mesh.get_local_rank())
+    assert chunk_rows(rows, mesh.size()) >= hi - lo
+    local = value[lo:hi].clone().to(param.to_local().device)
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=value.shape, stride=value.stride()
+    )
