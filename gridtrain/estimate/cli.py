@@ -1,0 +1,143 @@
+"""``gridtrain estimate``: memory, communication and step time of a layout, or ``--search`` for one.
+
+    gridtrain estimate --config config.py --model llama-70b --world-size 1024 --gpu h100-80g \\
+        --global-batch 512
+    gridtrain estimate --config config.py --model path/to/config.json --world-size 4096 \\
+        --gpu h200-141g --global-batch 2048 --search
+
+Wired into ``gridtrain/cli.py`` with ``add_parser(sub)``; ``run(args)`` returns the
+exit code: 0, 1 when the layout does not fit in memory (or nothing fits, with
+``--search``), 2 when the layout cannot run the model at all (the message names
+the group and the divisor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gridtrain.config import Config, ConfigError
+from gridtrain.estimate.devices import DeviceError, GiB, get_device
+from gridtrain.estimate.estimator import estimate
+from gridtrain.estimate.models import PRESETS, ModelError, get_model
+from gridtrain.estimate.report import does_not_fit, dumps, format_estimate
+from gridtrain.estimate.scenario import EstimateError, Scenario, amp_of
+from gridtrain.estimate.search import SearchOptions, format_search, search
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``estimate`` sub-command to ``gridtrain``'s sub-parsers."""
+    p = subparsers.add_parser(
+        "estimate",
+        help="per-rank memory, communication and step time of a layout (or --search for one)",
+        description="Estimate per-rank memory (parameters, gradients, optimizer states, "
+        "activations), per-step communication per group and the step time / MFU of a model "
+        "trained under a config's layout at --world-size ranks, without any process or GPU. "
+        "--search ranks every layout that fits instead.",
+    )
+    p.add_argument("--config", help="gridtrain config (.py, .yaml or .yml); precision, layout")
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face config.json",
+    )
+    p.add_argument("--world-size", "--world_size", type=int, required=True, metavar="N")
+    p.add_argument(
+        "--gpu", default="h100-80g", help="device preset: h100-80g, h200-141g, a100-80g, cpu"
+    )
+    p.add_argument("--global-batch", type=int, metavar="B", help="sequences per step (default: the "
+                   "config's GLOBAL_BATCH_SIZE, else one micro-batch of 1 per data-parallel rank)")  # fmt: skip
+    p.add_argument("--micro-batch", type=int, metavar="b", help="sequences per micro-batch")
+    p.add_argument(
+        "--seq-len", type=int, metavar="S", help="sequence length (default: the model's)"
+    )
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: config's)")
+    p.add_argument(
+        "--offload", action="store_true", help="ZeRO-3 with optimizer states on the host"
+    )
+    p.add_argument("--recompute", choices=("none", "full"), default="none",
+                   help="activation recompute per block (what-if; gridtrain runs without)")  # fmt: skip
+    dev = p.add_argument_group("device overrides")
+    dev.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s")
+    dev.add_argument("--memory-gb", type=float, help="memory per device, GiB")
+    dev.add_argument("--nvlink-gbps", type=float, help="intra-node GB/s per GPU, one direction")
+    dev.add_argument("--internode-gbps", type=float, help="inter-node GB/s per GPU, one direction")
+    dev.add_argument("--gpus-per-node", type=int)
+    dev.add_argument("--efficiency", type=float, help="fraction of peak large GEMMs reach")
+    s = p.add_argument_group("search")
+    s.add_argument("--search", action="store_true", help="rank every layout that fits")
+    s.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    s.add_argument("--modes", default="none,1d,2d,2.5d,3d,sequence", help="tensor modes to try")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(handler=run, parser=p)
+    return p
+
+
+def _device(args):
+    gb = 1e9
+    return get_device(
+        args.gpu,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+        memory=args.memory_gb * GiB if args.memory_gb else None,
+        nvlink=args.nvlink_gbps * gb if args.nvlink_gbps else None,
+        internode=args.internode_gbps * gb if args.internode_gbps else None,
+        gpus_per_node=args.gpus_per_node,
+        efficiency=args.efficiency,
+    )
+
+
+def _config(path: str | None) -> Config:
+    if path is None:
+        return Config()
+    try:
+        return Config.from_file(path)
+    except ConfigError as err:
+        raise ConfigError(f"--config {path}: {err}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gridtrain estimate``; returns the exit code (see the module docstring)."""
+    try:
+        cfg = _config(args.config)
+        spec = get_model(args.model, args.seq_len)
+        device = _device(args)
+        if args.search:
+            return _search(args, cfg, spec, device)
+        sc = Scenario.from_config(
+            cfg,
+            args.world_size,
+            global_batch=args.global_batch,
+            micro_batch=args.micro_batch,
+            zero=args.zero,
+            offload=args.offload or None,
+            recompute=args.recompute,
+        )
+        est = estimate(spec, sc, device)
+    except (EstimateError, ModelError, DeviceError, ConfigError) as err:
+        print(f"gridtrain estimate: error: {err}", file=sys.stderr)
+        return 2
+    print(dumps(est) if args.json else format_estimate(est))
+    if not est.fits:
+        print(f"\n{does_not_fit(est)}", file=sys.stderr if args.json else sys.stdout)
+        return 1
+    return 0
+
+
+def _search(args, cfg: Config, spec, device) -> int:
+    batch = args.global_batch or cfg.user_constants().get("GLOBAL_BATCH_SIZE")
+    if batch is None:
+        raise EstimateError("--search needs --global-batch (or GLOBAL_BATCH_SIZE in the config)")
+    base = Scenario(
+        world=args.world_size,
+        amp=amp_of(cfg),
+        clip=cfg.clip_grad_norm > 0,
+        partition=cfg.parallel.pipeline.partition,
+        recompute=args.recompute,
+    )
+    options = SearchOptions(
+        modes=tuple(None if m == "none" else m for m in args.modes.split(",")),
+        top=args.top,
+    )
+    result = search(spec, device, args.world_size, batch, base, options)
+    print(format_search(result))
+    return 0 if result.ranked else 1

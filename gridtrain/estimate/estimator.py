@@ -1,0 +1,204 @@
+"""``estimate(spec, scenario, device)``: per-rank memory, per-step communication and step time.
+
+Every stage of the pipeline is estimated (its layers, its shards, its micro-batches
+in flight); the report shows the stage that needs the most memory and the one
+that sets the pace. ``fits`` compares each stage's bytes with the device's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gridtrain.estimate.communication import Collective, step_collectives
+from gridtrain.estimate.devices import DeviceSpec, GiB
+from gridtrain.estimate.geometry import Geometry
+from gridtrain.estimate.layout import TensorShards
+from gridtrain.estimate.memory import (
+    Activations,
+    ModelStates,
+    dtype_bytes,
+    in_flight,
+    model_states,
+    stage_activations,
+)
+from gridtrain.estimate.models import ModelSpec
+from gridtrain.estimate.scenario import Scenario, StageLayers
+from gridtrain.estimate.timing import collective_seconds, group_links
+
+RESERVED_GPU = 2 * GiB  # CUDA context, NCCL buffers, allocator slack
+GEMM_HALF = 128  # GEMM dimension at which a matmul runs at half its large-shape speed
+TRAFFIC = 4  # activation bytes moved per saved byte: written, read, gradient written and read
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEstimate:
+    layers: StageLayers
+    params: int
+    states: ModelStates
+    activations: Activations
+    collectives: list[Collective]
+    compute_s: float  # one micro-batch, forward + backward (+ recompute)
+    tensor_comm_s: float  # per step, exposed
+    p2p_s: float  # per step
+    overlapped_s: float  # data-parallel / ZeRO collectives per step
+    exposed_dp_s: float
+    tail_s: float  # after the schedule: exposed DP, optimizer, scalars, offload
+
+    @property
+    def memory(self) -> float:
+        return self.states.total + self.activations.in_flight
+
+    @property
+    def micro_s(self) -> float:
+        """One micro-batch slot of the schedule on this stage."""
+        return self.compute_s + self.tensor_comm_s + self.p2p_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    spec: ModelSpec
+    scenario: Scenario
+    device: DeviceSpec
+    stages: list[StageEstimate]
+    links: dict
+    schedule_s: float
+    step_s: float
+    reserved: float
+
+    @property
+    def worst(self) -> StageEstimate:
+        """The stage that needs the most memory."""
+        return max(self.stages, key=lambda s: s.memory)
+
+    @property
+    def memory(self) -> float:
+        return self.worst.memory + self.reserved
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.device.memory
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.scenario.global_batch * self.spec.seq_len / self.step_s
+
+    @property
+    def model_flops(self) -> float:
+        """Model FLOPs per step (PaLM's 6N + 12LHS per token; no recompute)."""
+        tokens = self.scenario.global_batch * self.spec.seq_len
+        return self.spec.model_flops_per_token(self.spec.seq_len) * tokens
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / self.scenario.world / 1e12
+
+    @property
+    def mfu(self) -> float:
+        peak = self.device.peak_for(self.scenario.amp)
+        return self.model_flops / self.step_s / (self.scenario.world * peak)
+
+    @property
+    def bubble(self) -> float:
+        sc = self.scenario
+        if sc.pipeline == 1:
+            return 0.0
+        return (sc.pipeline - 1) / (sc.chunks * sc.pipeline_micro + sc.pipeline - 1)
+
+
+def _flops(spec: ModelSpec, stage: StageLayers, sc: Scenario) -> float:
+    """Matmul FLOPs of one micro-batch through ``stage`` on one rank, forward + backward."""
+    tokens = sc.micro_batch * spec.seq_len
+    h = spec.hidden
+    fc_out = spec.ffn_dim * (2 if spec.gated else 1)
+    linear = 2 * h * (spec.qkv_out + h + fc_out) + 2 * spec.ffn_dim * h
+    causal = not (sc.mode == "sequence" and sc.tensor > 1 and sc.ring == "standard")
+    attention = spec.attention_flops_per_token(spec.seq_len, causal=causal) / spec.layers
+    block = tokens * (linear + attention)
+    forward = stage.blocks * block + (tokens * 2 * h * spec.vocab if stage.head else 0)
+    recompute = stage.blocks * block if sc.recompute == "full" else 0
+    return (3 * forward + recompute) / sc.tensor
+
+
+def gemm_scale(spec: ModelSpec, geo: Geometry, sc: Scenario) -> float:
+    """How far below its large-shape efficiency a rank's GEMMs run: ``n / (n + 128)`` for the
+    smallest dimension ``n`` of a block's local matmuls (rows of the rank's tokens, its slices
+    of the hidden and MLP widths); half speed at 128, 94 % at 2048."""
+    tokens = geo.tokens(sc.micro_batch * spec.seq_len) * geo.gather
+    dims = [tokens]
+    for width, role in ((spec.hidden, "column"), (spec.hidden, "row"), (spec.ffn_dim, "row")):
+        dims += [geo.in_width(width, role), geo.out_width(width, role)]
+    n = min(dims)
+    return n / (n + GEMM_HALF)
+
+
+def estimate(
+    spec: ModelSpec, sc: Scenario, device: DeviceSpec, shards: TensorShards | None = None
+) -> Estimate:
+    """Estimate ``spec`` trained as ``sc`` on ``device``; raises ``EstimateError`` if the layout
+    cannot run it (see ``Scenario.check``)."""
+    shards = shards or sc.check(spec)
+    geo = Geometry.of(sc.mode, sc.tensor, sc.depth)
+    links = group_links(sc, device.gpus_per_node)
+    sizes = {group: link.size for group, link in links.items()}
+    stages = []
+    done: dict[tuple, tuple] = {}  # stages alike in layers share everything but in-flight counts
+    for layers in sc.stages(spec, shards):
+        key = (layers.embed, layers.blocks, layers.head, layers.stage in (0, sc.pipeline - 1))
+        if key not in done:
+            done[key] = _stage_parts(spec, sc, device, shards, geo, links, sizes, layers)
+        params, states, per_micro, block, colls, compute, times = done[key]
+        n = in_flight(sc, layers.stage)
+        held = n * per_micro + (
+            sum(b for _, b in block) if sc.recompute == "full" and layers.blocks else 0
+        )
+        acts = Activations(per_micro, held, n, block)
+        stages.append(StageEstimate(layers, params, states, acts, colls, compute, *times))
+    slot = max(s.compute_s + (s.tensor_comm_s + s.p2p_s) / sc.micro_batches for s in stages)
+    if sc.pipeline > 1:
+        schedule = sc.accumulation * (sc.pipeline_micro + (sc.pipeline - 1) / sc.chunks) * slot
+    else:
+        schedule = sc.micro_batches * slot
+    step = schedule + max(s.tail_s for s in stages)
+    reserved = RESERVED_GPU if device.name != "cpu" else 0.0
+    return Estimate(spec, sc, device, stages, links, schedule, step, reserved)
+
+
+def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
+    """Everything about one stage that does not depend on its place in the schedule."""
+    peak = device.peak_for(sc.amp) * device.efficiency
+    params = layers.params(shards)
+    states = model_states(params, layers.tensors(shards), sc)
+    acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
+    colls = step_collectives(spec, geo, sc, layers, shards, sizes)
+    traffic = TRAFFIC + (1 if sc.recompute == "full" else 0)
+    touched = acts.per_microbatch  # bytes the kernels write and read: recompute rebuilds them
+    if sc.recompute != "none":
+        plain = dataclasses.replace(sc, recompute="none")
+        touched = stage_activations(spec, geo, plain, layers, shards).per_microbatch
+    compute = _flops(spec, layers, sc) / (peak * gemm_scale(spec, geo, sc))
+    compute += traffic * touched / device.hbm_bw
+    tensor_s = p2p_s = overlapped = prefetched = after = 0.0
+    buckets = 0.0
+    for c in colls:
+        seconds = collective_seconds(c, links, device)
+        if c.op == "send_recv":
+            p2p_s += seconds
+        elif c.phase == "backward":
+            overlapped += seconds
+            buckets += c.calls
+        elif c.phase == "prefetch":
+            prefetched += seconds
+        elif c.phase == "step":
+            after += seconds
+        else:
+            tensor_s += seconds
+    # the last bucket cannot overlap: it is reduced once backward has made its gradients
+    backward = compute * 2 / 3
+    exposed_dp = max(overlapped - backward, overlapped / buckets) if overlapped else 0.0
+    exposed_dp += max(0.0, prefetched - compute * sc.micro_batches)
+    nb = dtype_bytes(sc.amp)
+    opt_bytes = 2 * (states.weights + states.grads + states.master_grads + states.optimizer)
+    offload = (params * nb["w"] * 2) / device.pcie if sc.offload else 0.0
+    tail = exposed_dp + opt_bytes / device.hbm_bw + after + offload
+    times = (tensor_s, p2p_s, overlapped, exposed_dp, tail)
+    return params, states, acts.per_microbatch, acts.block, colls, compute, times

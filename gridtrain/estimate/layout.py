@@ -1,0 +1,151 @@
+"""A layout without processes: the rank grid as ``topology.build_groups`` lists it, and the engine's
+own tensor plan of a model built on the meta device.
+
+``LayoutContext`` answers what the planner and the mode layers ask of a
+``ParallelContext`` while they are *built* (``world_size``, ``local_rank``,
+``ranks``, ``tensor_mode``, ``config``): only the forward passes need process
+groups, and a layout context has none. So ``build_plan`` plus each layer's
+constructor give the exact per-rank shard shapes of any hypothetical world,
+thousands of ranks included, on one CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+from torch import nn
+
+from gridtrain.config import Config
+from gridtrain.estimate.models import ModelSpec
+from gridtrain.estimate.skeleton import meta_skeleton
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.parallelize import build_plan
+from gridtrain.parallel.tensor.plan import Plan
+from gridtrain.parallel.topology import Groups, build_groups, group_of
+
+
+class LayoutContext:
+    """One rank of a hypothetical world: group lists, no process groups (see module docstring)."""
+
+    def __init__(
+        self, config: Config, world_size: int, rank: int = 0, groups: Groups | None = None
+    ):
+        self.config = config
+        self.global_rank = rank
+        self.device = torch.device("meta")
+        groups = groups if groups is not None else build_groups(config, world_size)
+        self._ranks = {mode: group_of(parts, rank) for mode, parts in groups.items()}
+
+    @property
+    def tensor_mode(self) -> str | None:
+        return self.config.tensor_mode
+
+    def is_initialized(self, mode: ParallelMode) -> bool:
+        return mode in self._ranks
+
+    def ranks(self, mode: ParallelMode = ParallelMode.GLOBAL) -> tuple[int, ...]:
+        if mode not in self._ranks:
+            raise ValueError(f"parallel mode {mode.name} does not exist in this layout")
+        return self._ranks[mode]
+
+    def world_size(self, mode: ParallelMode = ParallelMode.GLOBAL) -> int:
+        return len(self.ranks(mode))
+
+    def local_rank(self, mode: ParallelMode = ParallelMode.GLOBAL) -> int:
+        return self.ranks(mode).index(self.global_rank)
+
+    def group(self, mode: ParallelMode = ParallelMode.GLOBAL):
+        raise RuntimeError(
+            "a LayoutContext has no process groups: only layer constructors may use it"
+        )
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size(ParallelMode.DATA)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.world_size(ParallelMode.PIPELINE)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size(ParallelMode.TENSOR)
+
+
+def tensor_config(mode: str | None, size: int, depth: int = 1, ring: str = "standard") -> Config:
+    """A config with only the tensor section (one tensor block is all the planner looks at)."""
+    tensor: dict = {"size": size, "mode": mode}
+    if mode == "2.5d":
+        tensor["depth"] = depth
+    if mode == "sequence":
+        tensor["ring_attention"] = ring
+    return Config.from_dict({"parallel": {"tensor": tensor}})
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShards:
+    """One pipeline layer (``embed``, a block, ``head``) of the skeleton on one tensor rank."""
+
+    name: str
+    local: dict[str, tuple[int, ...]]  # parameter path -> this rank's shape
+    dense: dict[str, tuple[int, ...]]  # parameter path -> dense shape
+    tied: frozenset[str]  # parameter paths that are another layer's weight (counted there)
+
+    @property
+    def numel(self) -> int:
+        """Parameters this layer holds on the rank (its own; tied ones once, by their owner)."""
+        return sum(math.prod(s) for p, s in self.local.items() if p not in self.tied)
+
+    @property
+    def numel_with_ties(self) -> int:
+        """What the layer holds when it sits on a stage of its own (a tied copy included)."""
+        return sum(math.prod(s) for s in self.local.values())
+
+    @property
+    def tensors(self) -> int:
+        return len(self.local) - len(self.tied)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorShards:
+    """The planned skeleton under one tensor layout: embed, one block, head."""
+
+    plan: Plan
+    embed: LayerShards
+    block: LayerShards
+    head: LayerShards
+
+
+def _layer_shards(name: str, module: nn.Module, plan: Plan, owned: set[int]) -> LayerShards:
+    local, dense, tied = {}, {}, set()
+    for mname, sub in module.named_modules():
+        path = f"{name}.{mname}" if mname else name
+        entry = plan.entries.get(path)
+        for pname, p in sub.named_parameters(recurse=False):
+            key = f"{path}.{pname}"
+            dense[key] = tuple(p.shape)
+            shards = entry.shards if entry is not None else {}
+            local[key] = tuple(shards[pname][1]) if pname in shards else tuple(p.shape)
+            if id(p) in owned:
+                tied.add(key)
+            owned.add(id(p))
+    return LayerShards(name, local, dense, frozenset(tied))
+
+
+@functools.lru_cache(maxsize=256)
+def tensor_shards(spec: ModelSpec, mode: str | None, size: int, depth: int = 1) -> TensorShards:
+    """Plan the one-block skeleton of ``spec`` for a tensor block of ``size`` ranks (rank 0).
+
+    Raises the planner's ``PlanError`` (layer, dim, divisor) when the layout does not fit.
+    """
+    cfg = tensor_config(mode, size, depth)
+    ctx = LayoutContext(cfg, size)
+    model = meta_skeleton(spec)
+    example = torch.zeros(max(1, size), min(spec.seq_len, 8), dtype=torch.long, device="meta")
+    plan = build_plan(model, ctx, example if mode not in (None, "sequence") else None)
+    owned: set[int] = set()
+    layers = [_layer_shards(n, m, plan, owned) for n, m in model.named_children()]
+    return TensorShards(plan, *layers)

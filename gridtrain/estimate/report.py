@@ -1,0 +1,245 @@
+"""Text for ``gridtrain estimate``: memory per rank, communication per group, step time, MFU."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gridtrain.estimate.communication import Collective
+from gridtrain.estimate.devices import GiB
+from gridtrain.estimate.estimator import Estimate, StageEstimate
+from gridtrain.estimate.memory import dtype_bytes
+from gridtrain.parallel.mode import ParallelMode as PM
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def _bytes(x: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= size:
+            return f"{x / size:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _layers(stage: StageEstimate) -> str:
+    lay = stage.layers
+    parts = (["embed"] if lay.embed else []) + ([f"{lay.blocks} blocks"] if lay.blocks else [])
+    return " + ".join(parts + (["head"] if lay.head else []))
+
+
+def format_estimate(e: Estimate) -> str:
+    sc, dev, spec = e.scenario, e.device, e.spec
+    lines = [
+        f"model   {spec.describe()}",
+        f"layout  {sc.describe()}",
+        f"device  {dev.name} x {sc.world} ({dev.gpus_per_node} per node): "
+        f"{dev.peak_for(sc.amp) / 1e12:.0f} TFLOP/s {'bf16/fp16' if sc.amp else 'fp32'} peak, "
+        f"{dev.memory / GiB:.1f} GiB, NVLink {dev.nvlink / 1e9:.0f} GB/s, "
+        f"network {dev.internode / 1e9:.0f} GB/s per GPU",
+        "",
+    ]
+    lines += _memory(e)
+    lines += [""] + _stages_table(e) if sc.pipeline > 1 else []
+    lines += [""] + _communication(e)
+    lines += [""] + _timing(e)
+    return "\n".join(lines)
+
+
+def _memory(e: Estimate) -> list[str]:
+    sc, w = e.scenario, e.worst
+    nb = dtype_bytes(sc.amp)
+    st, act = w.states, w.activations
+    where = (
+        f"stage {w.layers.stage} of {sc.pipeline}: {_layers(w)}" if sc.pipeline > 1 else _layers(w)
+    )
+    zero = f", ZeRO-{sc.zero} over {sc.zero_group}" if sc.zero else ""
+    wdt = "fp16" if nb["w"] == 2 else "fp32"
+    rows = [
+        ("parameters", f"{w.params / 1e9:.3f}B x {nb['w']} B ({wdt}){zero if sc.zero >= 3 else ''}",
+         st.weights),
+        ("gradients", f"{wdt}{zero if sc.zero >= 2 else ''}", st.grads),
+    ]  # fmt: skip
+    if st.master_weights or st.master_grads or sc.amp == "naive":
+        rows.append(
+            ("master weights", "fp32 (naive fp16)" + (zero if sc.zero else ""), st.master_weights)
+        )
+        rows.append(("master gradients", "fp32, at the optimizer step", st.master_grads))
+    rows.append(
+        (
+            "optimizer states",
+            "Adam moments + step" + (zero if sc.zero else ""),
+            st.moments + st.steps,
+        )
+    )
+    flight = "1F1B" if sc.chunks == 1 else "interleaved"
+    how = (
+        f"{_gib(act.per_microbatch)} GiB per micro-batch x {act.microbatches_in_flight:g} in flight ({flight})"
+        if sc.pipeline > 1
+        else f"one micro-batch of {sc.micro_batch} x {e.spec.seq_len} tokens"
+    )
+    if sc.recompute == "full":
+        how += ", full recompute"
+    rows.append(("activations", how, act.in_flight))
+    if e.reserved:
+        rows.append(("reserved", "CUDA context, NCCL buffers, allocator", e.reserved))
+    out = [f"memory per rank ({where})"]
+    out += [f"  {name:<18} {what:<58} {_gib(b):>8} GiB" for name, what, b in rows]
+    if st.host:
+        out.append(
+            f"  {'(host memory)':<18} {'ZeRO offload: optimizer states':<58} {_gib(st.host):>8} GiB"
+        )
+    total, cap = e.memory, e.device.memory
+    verdict = (
+        f"fits ({_gib(cap - total)} GiB free)"
+        if e.fits
+        else f"DOES NOT FIT (over by {_gib(total - cap)} GiB)"
+    )
+    out.append(f"  {'total':<18} {f'of {_gib(cap)} GiB: {verdict}':<58} {_gib(total):>8} GiB")
+    return out
+
+
+def _stages_table(e: Estimate) -> list[str]:
+    out = [
+        "per stage      layers                      params   states GiB   activations GiB   total GiB"
+    ]
+    for s in e.stages:
+        out.append(
+            f"  stage {s.layers.stage:<5} {_layers(s):<26} {s.params / 1e9:7.3f}B {_gib(s.states.total):>11} "
+            f"{_gib(s.activations.in_flight):>17} {_gib(s.memory + e.reserved):>11}"
+        )
+    return out
+
+
+def aggregate(collectives: list[Collective]) -> list[tuple[str, str, float, float, list[str]]]:
+    """(group, op, total bytes, calls, sources) per group and collective, largest first."""
+    rows: dict[tuple[str, str], list] = {}
+    for c in collectives:
+        row = rows.setdefault((c.group_name, c.op), [0.0, 0.0, []])
+        row[0] += c.total
+        row[1] += c.calls
+        source = c.what.split(":")[0]
+        if source not in row[2]:
+            row[2].append(source)
+    out = [(g, op, b, n, src) for (g, op), (b, n, src) in rows.items()]
+    return sorted(out, key=lambda r: -r[2])
+
+
+def _communication(e: Estimate) -> list[str]:
+    w = max(e.stages, key=lambda s: sum(c.total for c in s.collectives))
+    from gridtrain.estimate.timing import collective_seconds
+
+    seconds: dict[tuple[str, str], float] = {}
+    for c in w.collectives:
+        key = (c.group_name, c.op)
+        seconds[key] = seconds.get(key, 0.0) + collective_seconds(c, e.links, e.device)
+    where = f" (stage {w.layers.stage})" if e.scenario.pipeline > 1 else ""
+    out = [
+        f"communication per step, one rank{where}",
+        f"  {'group':<26} {'ranks':>5} {'link':<7} {'collective':<15} {'calls':>7} "
+        f"{'bytes sent':>11} {'time':>9}  issued by",
+    ]
+    for group, op, total, calls, sources in aggregate(w.collectives):
+        link = _link(e, group)
+        srcs = ", ".join(sources[:3]) + (", ..." if len(sources) > 3 else "")
+        out.append(
+            f"  {group:<26} {link[0]:>5} {link[1]:<7} {op:<15} {calls:>7.0f} {_bytes(total):>11} "
+            f"{_secs(seconds[(group, op)]):>9}  {srcs}"
+        )
+    return out
+
+
+def _link(e: Estimate, group: str) -> tuple[str, str]:
+    for key, link in e.links.items():
+        name = key.name if isinstance(key, PM) else key
+        if name == group:
+            return str(link.size), "network" if link.internode else "NVLink"
+    if group == "PIPELINE (first, last)":
+        return "2", "network"
+    return "?", "?"
+
+
+def _timing(e: Estimate) -> list[str]:
+    sc = e.scenario
+    pace = max(e.stages, key=lambda s: s.compute_s + (s.tensor_comm_s + s.p2p_s) / sc.micro_batches)
+    tail = max(e.stages, key=lambda s: s.tail_s)
+    m = sc.micro_batches
+    slots = (
+        f"{sc.accumulation} x ({sc.pipeline_micro} + {sc.pipeline - 1}/{sc.chunks}) slots"
+        if sc.pipeline > 1
+        else f"{m} micro-batch{'es' if m > 1 else ''}"
+    )
+    rows = [
+        ("compute", f"{_secs(pace.compute_s)} per micro-batch (FLOPs at "
+         f"{e.device.efficiency:.0%} of peak + activation traffic)", pace.compute_s * m),
+        ("tensor-parallel comm", "exposed: on the critical path", pace.tensor_comm_s),
+    ]  # fmt: skip
+    if sc.pipeline > 1:
+        rows.append(("pipeline send/recv", "activations and gradients between stages", pace.p2p_s))
+        bubble = e.schedule_s - m * (pace.compute_s + (pace.tensor_comm_s + pace.p2p_s) / m)
+        rows.append(("pipeline bubble", f"(p-1)/(v m + p-1) = {e.bubble:.1%}", bubble))
+    rows.append(("data parallel", f"{_secs(tail.overlapped_s)} of gradient collectives overlap "
+                 "backward; exposed", tail.exposed_dp_s))  # fmt: skip
+    rows.append(("after backward", "Adam step (memory-bound), ZeRO gathers, flags and norms",
+                 tail.tail_s - tail.exposed_dp_s))  # fmt: skip
+    out = [f"step time (estimated; schedule {slots})"]
+    out += [f"  {name:<22} {what:<66} {_secs(s):>9}" for name, what, s in rows]
+    out.append(f"  {'step':<22} {'':<66} {_secs(e.step_s):>9}")
+    out.append(
+        f"  throughput {e.tokens_per_s:,.0f} tokens/s ({e.tokens_per_s / sc.world:,.0f} per GPU), "
+        f"{e.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {e.mfu:.1%}"
+    )
+    return out
+
+
+def does_not_fit(e: Estimate) -> str:
+    w = e.worst
+    where = f"stage {w.layers.stage}" if e.scenario.pipeline > 1 else "each rank"
+    biggest = max(
+        (("activations", w.activations.in_flight), ("model states", w.states.total)),
+        key=lambda x: x[1],
+    )
+    hint = (
+        "lower the micro-batch, add pipeline or tensor ranks, or recompute"
+        if biggest[0] == "activations"
+        else "add tensor or pipeline ranks, or a ZeRO stage"
+    )
+    return (
+        f"does not fit: {where} needs {_gib(e.memory)} GiB per rank, {e.device.name} has "
+        f"{_gib(e.device.memory)} GiB: over by {_gib(e.memory - e.device.memory)} GiB "
+        f"({biggest[0]} {_gib(biggest[1])} GiB: {hint})"
+    )
+
+
+def as_dict(e: Estimate) -> dict[str, Any]:
+    """Machine-readable summary (``--json``)."""
+    w = e.worst
+    return {
+        "model": e.spec.name,
+        "params": e.spec.num_params(),
+        "layout": e.scenario.config_dict(),
+        "world": e.scenario.world,
+        "global_batch": e.scenario.global_batch,
+        "micro_batch": e.scenario.micro_batch,
+        "memory_bytes": e.memory,
+        "fits": e.fits,
+        "worst_stage": w.layers.stage,
+        "states": vars(w.states) if hasattr(w.states, "__dict__") else {},
+        "activations_bytes": w.activations.in_flight,
+        "step_s": e.step_s,
+        "tokens_per_s": e.tokens_per_s,
+        "mfu": e.mfu,
+        "communication": [
+            {"group": g, "op": op, "bytes": b, "calls": n, "issued_by": src}
+            for g, op, b, n, src in aggregate(w.collectives)
+        ],
+    }
+
+
+def dumps(e: Estimate) -> str:
+    return json.dumps(as_dict(e), indent=2, default=str)

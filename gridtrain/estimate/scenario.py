@@ -1,0 +1,307 @@
+"""The run being estimated: a config's layout at a world size, a batch, a precision, ZeRO.
+
+``Scenario.from_config`` reads everything the engine would read
+(``parallel.pipeline``/``tensor``, ``num_microbatches``, ``gradient_accumulation``,
+``fp16.mode``, ``clip_grad_norm``, and ``zero`` once the config has it);
+``check`` says, before any number is computed, why a layout cannot run this
+model (which group, which divisor); ``stages`` cuts the layers into pipeline
+stages with the engine's own ``partition``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from gridtrain.config import Config, ConfigError
+from gridtrain.estimate.layout import TensorShards, tensor_shards
+from gridtrain.estimate.models import ModelSpec
+from gridtrain.parallel.pipeline.partition import partition
+from gridtrain.parallel.tensor.plan import PlanError
+
+
+class EstimateError(ValueError):
+    """A layout that cannot run the model: names the group and the divisor."""
+
+
+AMP_NAMES = {"torch": "torch", "bf16": "bf16", "naive": "naive", "apex": "naive"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One layout of one training step (sizes per data-parallel rank unless said otherwise)."""
+
+    world: int
+    pipeline: int = 1
+    tensor: int = 1
+    mode: str | None = None
+    depth: int = 1
+    chunks: int = 1  # interleaved model chunks per stage
+    micro_batch: int = 1  # sequences per micro-batch of one data-parallel rank
+    pipeline_micro: int = 1  # num_microbatches (1 without a pipeline)
+    accumulation: int = 1  # gradient_accumulation
+    amp: str | None = None  # None (fp32), "torch", "bf16", "naive"
+    zero: int = 0
+    offload: bool = False
+    recompute: str = "none"  # "none" or "full" (every block keeps only its input)
+    ring: str = "standard"
+    partition: str = "uniform"
+    clip: bool = False
+
+    @property
+    def data(self) -> int:
+        return self.world // (self.pipeline * self.tensor)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per optimizer step."""
+        return self.pipeline_micro * self.accumulation
+
+    @property
+    def global_batch(self) -> int:
+        return self.data * self.micro_batches * self.micro_batch
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks a gradient is averaged over (and ZeRO shards over): data, x sequence."""
+        return self.data * (self.tensor if self.mode == "sequence" else 1)
+
+    def describe(self) -> str:
+        mode = f"{self.mode} " if self.mode else ""
+        depth = f" depth {self.depth}" if self.mode == "2.5d" else ""
+        chunks = f" x {self.chunks} chunks" if self.chunks > 1 else ""
+        zero = f", ZeRO-{self.zero}{' offload' if self.offload else ''}" if self.zero else ""
+        recompute = ", full recompute" if self.recompute == "full" else ""
+        return (
+            f"data {self.data} x pipeline {self.pipeline}{chunks} x tensor {mode}{self.tensor}"
+            f"{depth}; micro-batch {self.micro_batch} x {self.micro_batches} per step "
+            f"(global batch {self.global_batch}); {self.amp or 'fp32'}{zero}{recompute}"
+        )
+
+    def config_dict(self) -> dict[str, Any]:
+        """The gridtrain config keys that give this layout (``zero`` once the engine has it)."""
+        tensor: dict[str, Any] = {"size": self.tensor, "mode": self.mode}
+        if self.mode == "2.5d":
+            tensor["depth"] = self.depth
+        pipeline: dict[str, Any] = {"size": self.pipeline}
+        if self.chunks > 1:
+            pipeline["num_chunks"] = self.chunks
+        out: dict[str, Any] = {"parallel": {"pipeline": pipeline, "tensor": tensor}}
+        if self.pipeline > 1:
+            out["num_microbatches"] = self.pipeline_micro
+        if self.accumulation > 1:
+            out["gradient_accumulation"] = self.accumulation
+        if self.amp:
+            out["fp16"] = {"mode": self.amp}
+        if self.zero:
+            out["zero"] = {"stage": self.zero, **({"offload": True} if self.offload else {})}
+        return out
+
+    # ---- building ----------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        world: int,
+        global_batch: int | None = None,
+        micro_batch: int | None = None,
+        zero: int | None = None,
+        offload: bool | None = None,
+        recompute: str = "none",
+    ) -> Scenario:
+        """The scenario ``cfg`` describes at ``world`` ranks; the batch from ``global_batch``
+        (else the config's ``GLOBAL_BATCH_SIZE``), else ``micro_batch`` (default 1)."""
+        try:
+            cfg.check_world_size(world)
+        except ConfigError as err:
+            raise EstimateError(str(err)) from None
+        p, t = cfg.pipeline_size, cfg.tensor_size
+        data = world // (p * t)
+        m = 1
+        if p > 1:
+            if cfg.num_microbatches is None:
+                raise EstimateError(
+                    f"parallel.pipeline = {p} needs num_microbatches in the config "
+                    f"(e.g. num_microbatches = {2 * p})"
+                )
+            m = cfg.num_microbatches
+        ga = cfg.gradient_accumulation
+        if global_batch is None:
+            global_batch = cfg.user_constants().get("GLOBAL_BATCH_SIZE")
+        if global_batch is not None:
+            per = data * m * ga
+            if global_batch % per:
+                raise EstimateError(
+                    f"global batch {global_batch} does not split into data {data} x "
+                    f"micro-batches {m} x gradient_accumulation {ga} = {per} equal micro-batches"
+                )
+            micro_batch = global_batch // per
+        stage, off = _zero_of(cfg)
+        amp = amp_of(cfg)
+        tc = cfg.parallel.tensor
+        return cls(
+            world=world,
+            pipeline=p,
+            tensor=t,
+            mode=tc.mode,
+            depth=tc.depth,
+            chunks=cfg.parallel.pipeline.num_chunks,
+            micro_batch=micro_batch or 1,
+            pipeline_micro=m,
+            accumulation=ga,
+            amp=amp,
+            zero=stage if zero is None else zero,
+            offload=off if offload is None else offload,
+            recompute=recompute,
+            ring=tc.ring_attention,
+            partition=cfg.parallel.pipeline.partition,
+            clip=cfg.clip_grad_norm > 0,
+        )
+
+    # ---- what must divide ----------------------------------------------------------------
+    def check(self, spec: ModelSpec) -> TensorShards:
+        """Raise ``EstimateError`` naming the group and divisor if ``spec`` cannot run here;
+        returns the planned tensor shards."""
+        t, mode, b = self.tensor, self.mode, self.micro_batch
+        if self.zero not in (0, 1, 2, 3):
+            raise EstimateError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
+        if self.offload and self.zero != 3:
+            raise EstimateError(f"zero offload needs stage 3, got stage {self.zero}")
+        if self.recompute not in ("none", "full"):
+            raise EstimateError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
+        heads_split, what = _heads_split(mode, t, self.depth)
+        for name, n in (("heads", spec.heads), ("key/value heads", spec.num_kv_heads)):
+            if n % heads_split:
+                raise EstimateError(
+                    f"{spec.name}'s {n} attention {name} do not split over {what}: "
+                    f"{n} % {heads_split} != 0"
+                )
+        rows, rows_what = batch_split(mode, t, self.depth)
+        if b % rows:
+            raise EstimateError(
+                f"tensor mode {mode} splits each micro-batch over {rows_what}: micro-batch {b} "
+                f"% {rows} != 0 (raise the global batch or cut fewer micro-batches)"
+            )
+        if mode == "sequence" and spec.seq_len % t:
+            raise EstimateError(
+                f"sequence parallelism splits the sequence over SEQUENCE ({t} ranks): "
+                f"sequence length {spec.seq_len} % {t} != 0"
+            )
+        parts = self.pipeline * self.chunks
+        if spec.layers + 2 < parts:
+            raise EstimateError(
+                f"{spec.layers} blocks + embed + head = {spec.layers + 2} layers cannot fill "
+                f"pipeline {self.pipeline} x {self.chunks} chunks = {parts} parts"
+            )
+        if self.chunks > 1 and self.pipeline_micro % self.pipeline:
+            raise EstimateError(
+                f"the interleaved schedule needs num_microbatches divisible by the pipeline size: "
+                f"{self.pipeline_micro} % {self.pipeline} != 0"
+            )
+        try:
+            return tensor_shards(spec, mode, t, self.depth)
+        except PlanError as err:
+            raise EstimateError(f"tensor {mode} {t}: {err}") from None
+
+    def stages(self, spec: ModelSpec, shards: TensorShards) -> list[StageLayers]:
+        """Which layers each pipeline stage holds (the engine's ``partition``; chunks merged)."""
+        return _stages(spec, shards, self.pipeline, self.chunks, self.partition)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayers:
+    """The layers of one pipeline stage (all its chunks)."""
+
+    stage: int
+    embed: bool
+    blocks: int
+    head: bool
+
+    def params(self, shards: TensorShards) -> int:
+        """Parameters this stage's ranks hold (a tied head holds its own copy when the
+        embedding lives on another stage, as ``build_stage`` makes it)."""
+        n = self.blocks * shards.block.numel
+        if self.embed:
+            n += shards.embed.numel + (shards.head.numel if self.head else 0)
+        elif self.head:
+            n += shards.head.numel_with_ties
+        return n
+
+    def tensors(self, shards: TensorShards) -> int:
+        """Parameter tensors this stage holds (each has an optimizer ``step`` scalar)."""
+        n = self.blocks * shards.block.tensors
+        if self.embed:
+            n += shards.embed.tensors + (shards.head.tensors if self.head else 0)
+        elif self.head:
+            n += len(shards.head.local)
+        return n
+
+
+def _stages(spec, shards, pipeline, chunks, method) -> list[StageLayers]:
+    return list(_stages_cached(spec, shards.embed.numel_with_ties, shards.block.numel,
+                               shards.head.numel_with_ties, pipeline, chunks, method))  # fmt: skip
+
+
+_STAGE_CACHE: dict[tuple, tuple[StageLayers, ...]] = {}
+
+
+def _stages_cached(spec, embed, block, head, pipeline, chunks, method) -> tuple[StageLayers, ...]:
+    key = (spec.layers, embed, block, head, pipeline, chunks, method)
+    if key not in _STAGE_CACHE:
+        weights = [embed] + [block] * spec.layers + [head]
+        bounds = partition(weights, pipeline * chunks, method)
+        owner = [0] * len(weights)
+        for part, (start, end) in enumerate(bounds):
+            owner[start:end] = [part % pipeline] * (end - start)
+        _STAGE_CACHE[key] = tuple(
+            StageLayers(s, owner[0] == s, sum(1 for o in owner[1:-1] if o == s), owner[-1] == s)
+            for s in range(pipeline)
+        )
+    return _STAGE_CACHE[key]
+
+
+def amp_of(cfg: Config) -> str | None:
+    """The config's mixed precision as the estimator names it (apex O2 counts as naive)."""
+    if cfg.fp16 is None or cfg.fp16.mode is None:
+        return None
+    return AMP_NAMES[str(getattr(cfg.fp16.mode, "value", cfg.fp16.mode))]
+
+
+def _zero_of(cfg: Config) -> tuple[int, bool]:
+    """``zero = dict(stage=..., offload=...)`` once the config schema has it (a model or a dict)."""
+    zero = getattr(cfg, "zero", None)
+    if zero is None:
+        zero = cfg.user_constants().get("ZERO")
+    if zero is None:
+        return 0, False
+    if isinstance(zero, dict):
+        return int(zero.get("stage", 0) or 0), bool(zero.get("offload", False))
+    return int(getattr(zero, "stage", 0) or 0), bool(getattr(zero, "offload", False))
+
+
+def _heads_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
+    """How many ways attention heads are split, and by which group."""
+    if mode == "1d":
+        return t, f"PARALLEL_1D ({t} ranks)"
+    if mode in ("2d", "2.5d"):
+        q = math.isqrt(t // depth)
+        return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
+    if mode == "3d":
+        d = round(t ** (1 / 3))
+        return d, f"the cube's hidden axis (d = {d})"
+    return 1, "no group"
+
+
+def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
+    """How many blocks a micro-batch's rows are cut into on one tensor group."""
+    if mode == "2d":
+        q = math.isqrt(t)
+        return q, f"the grid rows (q = {q})"
+    if mode == "2.5d":
+        q = math.isqrt(t // depth)
+        return depth * q, f"depth {depth} x q {q} = {depth * q} batch blocks"
+    if mode == "3d":
+        d = round(t ** (1 / 3))
+        return d * d, f"d*d = {d * d} batch blocks of the cube"
+    return 1, "nothing"

@@ -1,0 +1,270 @@
+"""``--search``: every layout of a world size and global batch, the ones that fit ranked by speed.
+
+Enumerated: pipeline size ``P`` (a divisor of the world), the tensor mode and size
+(1d ``T``, 2d ``q^2``, 2.5d ``depth x q^2``, 3d ``d^3``, sequence ``N``), the data
+size that remains, ZeRO stage, interleaved chunks ``v`` and the micro-batch
+``b`` (the rest of the data-parallel rank's batch becomes micro-batches:
+``num_microbatches`` under a pipeline, gradient accumulation without).
+
+Pruned, cheapest test first, so that 4096 GPUs take seconds:
+
+1. divisibility read off the model (heads over the mode's group, sequence over
+   N, batch blocks, layers over ``P x v``) before anything is planned;
+2. one tensor plan per (mode, size, depth), shared by every pipeline and data size;
+3. model states alone against the device's memory; a ZeRO stage is tried only when
+   the one below it cannot hold the largest micro-batch;
+4. activations per micro-batch size (largest first) before any time is estimated;
+5. micro-batches are tried from the largest that fits downwards and dropped
+   once throughput has fallen twice in a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from gridtrain.estimate.devices import DeviceSpec
+from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, estimate
+from gridtrain.estimate.geometry import Geometry
+from gridtrain.estimate.memory import in_flight, model_states, stage_activations
+from gridtrain.estimate.models import ModelSpec
+from gridtrain.estimate.scenario import EstimateError, Scenario, batch_split
+
+MAX_MICRO_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    modes: tuple = (None, "1d", "2d", "2.5d", "3d", "sequence")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    chunks: tuple[int, ...] = (1, 2, 4)
+    top: int = 10
+
+
+@dataclasses.dataclass
+class SearchResult:
+    spec: ModelSpec
+    device: DeviceSpec
+    world: int
+    global_batch: int
+    ranked: list[Estimate]
+    considered: int = 0
+    estimated: int = 0
+    rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    top: int = 10
+
+    def reject(self, why: str) -> None:
+        self.rejected[why] = self.rejected.get(why, 0) + 1
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tensor_layouts(rest: int, spec: ModelSpec, modes) -> list[tuple[str | None, int, int]]:
+    """(mode, size, depth) for tensor groups of a divisor of ``rest`` ranks whose heads (or
+    sequence) split."""
+    kv, out = spec.num_kv_heads, []
+    if None in modes:
+        out.append((None, 1, 1))
+    for t in divisors(rest):
+        if t < 2:
+            continue
+        if "1d" in modes and kv % t == 0:
+            out.append(("1d", t, 1))
+        if "sequence" in modes and spec.seq_len % t == 0:
+            out.append(("sequence", t, 1))
+        q = math.isqrt(t)
+        if "2d" in modes and q * q == t and kv % q == 0:
+            out.append(("2d", t, 1))
+        d = round(t ** (1 / 3))
+        if "3d" in modes and d**3 == t and kv % d == 0:
+            out.append(("3d", t, 1))
+        if "2.5d" in modes:
+            for depth in divisors(t):
+                q2 = t // depth
+                q = math.isqrt(q2)
+                if 2 <= depth and q >= 2 and q * q == q2 and kv % q == 0:
+                    out.append(("2.5d", t, depth))
+    return out
+
+
+def _memory(spec, sc: Scenario, device: DeviceSpec, shards, geo) -> float:
+    """Bytes of the fullest stage (model states + activations in flight), no timing."""
+    reserved = RESERVED_GPU if device.name != "cpu" else 0.0
+    worst, seen = 0.0, {}
+    for layers in sc.stages(spec, shards):
+        key = (layers.embed, layers.blocks, layers.head)
+        if key not in seen:
+            states = model_states(layers.params(shards), layers.tensors(shards), sc)
+            acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
+            block = sum(b for _, b in acts.block) if sc.recompute == "full" else 0.0
+            seen[key] = (states.total, acts.per_microbatch, block)
+        states, per, block = seen[key]
+        worst = max(worst, states + in_flight(sc, layers.stage) * per + block)
+    return worst + reserved
+
+
+def search(
+    spec: ModelSpec,
+    device: DeviceSpec,
+    world: int,
+    global_batch: int,
+    base: Scenario,
+    options: SearchOptions = SearchOptions(),
+) -> SearchResult:
+    """Rank the layouts of ``world`` ranks that fit (``base`` gives precision, recompute,
+    partition and clipping)."""
+    start = time.perf_counter()
+    result = SearchResult(spec, device, world, global_batch, [], top=options.top)
+    found: list[Estimate] = []
+    for p in divisors(world):
+        if p > spec.layers + 2:
+            continue
+        for mode, t, depth in tensor_layouts(world // p, spec, options.modes):
+            result.considered += 1
+            found += _layout(
+                spec, device, world, global_batch, base, options, p, mode, t, depth, result
+            )
+    found.sort(key=lambda e: -e.tokens_per_s)
+    result.ranked = found
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _layout(spec, device, world, batch, base, options, p, mode, t, depth, result) -> list[Estimate]:
+    data = world // (p * t)
+    if batch % data:
+        result.reject("global batch does not split over the data ranks")
+        return []
+    per_dp = batch // data
+    rows = batch_split(mode, t, depth)[0]
+    micro = [b for b in divisors(per_dp) if b % rows == 0 and b <= MAX_MICRO_BATCH]
+    if not micro:
+        result.reject("micro-batch does not split into the mode's batch blocks")
+        return []
+    probe = dataclasses.replace(
+        base, world=world, pipeline=p, tensor=t, mode=mode, depth=depth, micro_batch=micro[0],
+        pipeline_micro=per_dp // micro[0] if p > 1 else 1,
+        accumulation=1 if p > 1 else per_dp // micro[0], chunks=1, zero=0, offload=False,
+    )  # fmt: skip
+    try:
+        shards = probe.check(spec)
+    except EstimateError:
+        result.reject("the tensor plan does not fit the model")
+        return []
+    geo = Geometry.of(mode, t, depth)
+    out: list[Estimate] = []
+    for zero in options.zero_stages:
+        if zero and probe.zero_group == 1:
+            break
+        sc0 = dataclasses.replace(probe, zero=zero)
+        states = max(
+            model_states(st.params(shards), st.tensors(shards), sc0).total
+            for st in sc0.stages(spec, shards)
+        )
+        if states > device.memory:
+            result.reject("model states exceed the device memory")
+            continue
+        roomy = False
+        for v in options.chunks:
+            if v > 1 and (p == 1 or spec.layers + 2 < p * v):
+                continue
+            got, largest_fits = _micro_batches(
+                spec, device, sc0, shards, geo, micro, per_dp, v, result
+            )
+            out += got
+            roomy = roomy or largest_fits
+        if roomy:  # the largest micro-batch fits already: more ZeRO only adds communication
+            break
+    return out
+
+
+def _micro_batches(spec, device, sc0, shards, geo, micro, per_dp, v, result):
+    got: list[Estimate] = []
+    best, falls, largest_fits = 0.0, 0, False
+    for b in sorted(micro, reverse=True):
+        m = per_dp // b
+        p = sc0.pipeline
+        if v > 1 and m % p:
+            continue
+        sc = dataclasses.replace(
+            sc0, micro_batch=b, chunks=v, pipeline_micro=m if p > 1 else 1,
+            accumulation=1 if p > 1 else m,
+        )  # fmt: skip
+        if _memory(spec, sc, device, shards, geo) > device.memory:
+            result.reject("activations exceed the device memory")
+            continue
+        largest_fits = largest_fits or b == max(micro)
+        result.estimated += 1
+        est = estimate(spec, sc, device, shards)
+        got.append(est)
+        if est.tokens_per_s < best:
+            falls += 1
+            if falls >= 2:
+                break
+        else:
+            best, falls = est.tokens_per_s, 0
+    return got, largest_fits
+
+
+def format_search(r: SearchResult) -> str:
+    tokens = r.global_batch * r.spec.seq_len
+    head = (
+        f"search: {r.spec.name} on {r.world} x {r.device.name}, global batch {r.global_batch} x "
+        f"{r.spec.seq_len} = {tokens:,} tokens per step\n"
+        f"  {r.considered} pipeline x tensor layouts, {r.estimated} estimated, {len(r.ranked)} fit "
+        f"({r.seconds:.2f} s)"
+    )
+    if r.rejected:
+        head += "\n  rejected: " + "; ".join(f"{n} {why}" for why, n in sorted(r.rejected.items()))
+    if not r.ranked:
+        return head + "\n\nno layout fits: more devices, a smaller batch or --recompute full"
+    lines = [
+        head,
+        "",
+        f"  {'#':>3}  {'data x pipeline x tensor':<30} {'micro':>5} {'x m':>5} {'v':>2} {'zero':>4} "
+        f"{'GiB/rank':>9} {'step':>9} {'tokens/s':>12} {'MFU':>6}",
+    ]
+    for i, e in enumerate(r.ranked[: r.top], 1):
+        sc = e.scenario
+        tensor = f"{sc.mode} {sc.tensor}" if sc.mode else "1"
+        if sc.mode == "2.5d":
+            tensor += f" (depth {sc.depth})"
+        layout = f"{sc.data} x {sc.pipeline} x {tensor}"
+        step = f"{e.step_s * 1e3:.0f} ms" if e.step_s < 1 else f"{e.step_s:.2f} s"
+        lines.append(
+            f"  {i:>3}  {layout:<30} {sc.micro_batch:>5} {sc.micro_batches:>5} {sc.chunks:>2} "
+            f"{sc.zero:>4} {e.memory / 2**30:>9.1f} {step:>9} {e.tokens_per_s:>12,.0f} "
+            f"{e.mfu:>6.1%}"
+        )
+    lines += ["", "the best as a config:", config_text(r.ranked[0].scenario, r.global_batch)]
+    return "\n".join(lines)
+
+
+def config_text(sc: Scenario, global_batch: int) -> str:
+    """The config file lines of a scenario (``zero`` needs the engine's ZeRO support)."""
+    d = sc.config_dict()
+    par = d["parallel"]
+    pipe = par["pipeline"]
+    pipe_s = (
+        str(pipe["size"])
+        if len(pipe) == 1
+        else f"dict(size={pipe['size']}, num_chunks={pipe['num_chunks']})"
+    )
+    ten = par["tensor"]
+    ten_s = ", ".join(f"{k}={v!r}" for k, v in ten.items() if v is not None)
+    lines = [f"parallel = dict(pipeline={pipe_s}, tensor=dict({ten_s}))"]
+    for key in ("num_microbatches", "gradient_accumulation"):
+        if key in d:
+            lines.append(f"{key} = {d[key]}")
+    if "fp16" in d:
+        lines.append(f"fp16 = dict(mode={d['fp16']['mode']!r})")
+    if "zero" in d:
+        zero = ", ".join(f"{k}={v!r}" for k, v in d["zero"].items())
+        lines.append(f"zero = dict({zero})")
+    lines.append(f"GLOBAL_BATCH_SIZE = {global_batch}")
+    return "\n".join(lines)
