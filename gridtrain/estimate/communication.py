@@ -70,6 +70,7 @@ class Collective:
     # "backward": overlaps the last backward (bucketed gradient all-reduce, ZeRO reduce-scatter);
     # "prefetch": overlaps compute (ZeRO-3 weight gathers); "step": after backward, exposed
     phase: str = "micro"
+    counted: bool = True  # seen by comm.count_bytes (ZeRO and send/recv use torch directly)
 
     @property
     def total(self) -> float:
@@ -330,25 +331,15 @@ def step_collectives(
     ranks, for the groups the step touches outside the tensor group)."""
     out = [c.scaled(sc.micro_batches) for c in microbatch_collectives(spec, geo, sc, stage, shards)]
     nb = dtype_bytes(sc.amp)
-    params = stage.params(shards)
-    grad_bytes = params * nb["w"]
+    grad_bytes = stage.params(shards) * nb["w"]
     dp_group = PM.SEQUENCE_DP if sc.mode == "sequence" else PM.DATA
     n = sizes[dp_group]
-    if n > 1:
+    if n > 1 and sc.zero == 0:
         buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))
-        if sc.zero == 0:
-            out.append(Collective(dp_group, "all_reduce", all_reduce(n, grad_bytes) / buckets,
-                                  buckets, "gradients (bucketed, overlaps backward)", "backward"))  # fmt: skip
-        else:
-            part = (n - 1) / n * grad_bytes / buckets
-            out.append(Collective(dp_group, "reduce_scatter", part, buckets,
-                                  "ZeRO: gradient reduce-scatter", "backward"))  # fmt: skip
-            weights = params * nb["w"]
-            calls = 1 if sc.zero < 3 else 2 * sc.micro_batches
-            what = "ZeRO: updated weights" if sc.zero < 3 else "ZeRO-3: weights fwd and bwd"
-            phase = "step" if sc.zero < 3 else "prefetch"
-            out.append(Collective(dp_group, "all_gather", (n - 1) / n * weights / buckets,
-                                  calls * buckets, what, phase))  # fmt: skip
+        out.append(Collective(dp_group, "all_reduce", all_reduce(n, grad_bytes) / buckets,
+                              buckets, "gradients (bucketed, overlaps backward)", "backward"))  # fmt: skip
+    elif n > 1:
+        out += _zero_collectives(sc, stage, shards, dp_group, n)
     p = sc.pipeline
     if p > 1:
         if spec.tied and stage.stage in (0, p - 1):
@@ -359,7 +350,7 @@ def step_collectives(
         act = geo.tokens(sc.micro_batch * spec.seq_len) * spec.hidden / geo.hidden_parts * nb["r"]
         sends = 2 * sc.chunks - (stage.stage == 0) - (stage.stage == p - 1)
         out.append(Collective(PM.PIPELINE, "send_recv", act, sends * sc.micro_batches,
-                              "activations and their gradients (point to point)"))  # fmt: skip
+                              "activations and their gradients (point to point)", counted=False))  # fmt: skip
     world = sc.world
     if sc.amp == "torch":
         if sizes[PM.MODEL] > 1:
@@ -375,11 +366,35 @@ def step_collectives(
     return out
 
 
+def _zero_collectives(sc: Scenario, stage: StageLayers, shards, group, n: int) -> list[Collective]:
+    """ZeRO's traffic on the fullest rank, its rows padded to ``ceil(rows / n)`` (torch's
+    reduce-scatter / all-gather into flat buckets, or FSDP2's; not seen by count_bytes)."""
+    from gridtrain.estimate.memory import owned
+
+    nb = dtype_bytes(sc.amp)
+    rows = sum(owned(shape, n) * k for shape, k in stage.shapes(shards))
+    buckets = max(1, math.ceil(rows * n * nb["w"] / BUCKET_BYTES))
+    if sc.zero < 3:
+        return [
+            Collective(group, "reduce_scatter", (n - 1) * rows * nb["w"] / buckets, buckets,
+                       "ZeRO: gradient rows (overlaps backward)", "backward", False),
+            Collective(group, "all_gather", (n - 1) * rows * nb["w"] / buckets, buckets,
+                       "ZeRO: updated rows after the step", "step", False),
+        ]  # fmt: skip
+    gathered = 2 if sc.amp in ("naive", "bf16") else 4  # FSDP2 gathers in param_dtype
+    return [
+        Collective(group, "all_gather", (n - 1) * rows * gathered, 2 * sc.micro_batches,
+                   "ZeRO-3: parameters before forward and backward", "prefetch", False),
+        Collective(group, "reduce_scatter", (n - 1) * rows * 4, 1,
+                   "ZeRO-3: gradients (fp32)", "backward", False),
+    ]  # fmt: skip
+
+
 def by_op(collectives: list[Collective], counted_only: bool = True) -> dict[str, float]:
     """Total bytes per collective name (``counted_only``: what comm.count_bytes sees)."""
     out: dict[str, float] = {}
     for c in collectives:
-        if counted_only and c.op == "send_recv":
+        if counted_only and not c.counted:
             continue
         out[c.op] = out.get(c.op, 0.0) + c.total
     return out

@@ -167,7 +167,7 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     """Everything about one stage that does not depend on its place in the schedule."""
     peak = device.peak_for(sc.amp) * device.efficiency
     params = layers.params(shards)
-    states = model_states(params, layers.tensors(shards), sc)
+    states = model_states(layers.shapes(shards), sc, layers.largest_layer(shards))
     acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
     colls = step_collectives(spec, geo, sc, layers, shards, sizes)
     traffic = TRAFFIC + (1 if sc.recompute == "full" else 0)

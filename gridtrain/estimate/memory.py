@@ -58,7 +58,8 @@ def dtype_bytes(amp: str | None) -> dict[str, int]:
 # ---- model states ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelStates:
-    """Bytes on one rank (``host``: what ZeRO offload keeps in CPU memory instead)."""
+    """Bytes on one rank (``host``: what ZeRO offload keeps in CPU memory instead;
+    ``gathered``: ZeRO-3's unsharded layers, two at a time while FSDP2 prefetches)."""
 
     weights: float
     grads: float
@@ -67,6 +68,7 @@ class ModelStates:
     moments: float
     steps: float
     host: float = 0.0
+    gathered: float = 0.0
 
     @property
     def optimizer(self) -> float:
@@ -75,29 +77,54 @@ class ModelStates:
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.master_grads + self.optimizer
+        return self.weights + self.grads + self.master_grads + self.optimizer + self.gathered
 
 
-def model_states(params: int, tensors: int, sc: Scenario) -> ModelStates:
-    """Model-state bytes of a rank holding ``params`` parameters in ``tensors`` tensors."""
+def owned(shape: tuple[int, ...], n: int) -> int:
+    """Elements of a tensor the first rank of ``n`` owns under ZeRO: its ``ceil(rows / n)``
+    rows (``parallel/zero/partition.py``, as torch.chunk and FSDP2 cut; ranks past the last
+    chunk own fewer, so the first rank is the fullest)."""
+    rows = shape[0] if shape else 1
+    return -(-rows // n) * (math.prod(shape) // rows if rows else 0)
+
+
+def model_states(shapes, sc: Scenario, largest_layer: int = 0) -> ModelStates:
+    """Model-state bytes of a rank holding ``shapes`` (``(local shape, count)`` pairs).
+
+    ZeRO as ``parallel/zero`` runs it, on the first (fullest) rank of the data-parallel
+    group: stages 1-2 give the optimizer the rank's rows (fp32 copies under naive fp16
+    or offload, else views of the model's rows) and the reduce-scattered gradient rows
+    (fp32 copies under naive fp16, else views of the bucket); stage 1 keeps the model's
+    full gradients, stage 2 drops them. Stage 3 (FSDP2) keeps fp32 rows of parameters
+    and gradients, which are also the masters; offload moves them to host memory.
+    """
     nb = dtype_bytes(sc.amp)
     naive = sc.amp == "naive"
-    weights, grads = params * nb["w"], params * nb["w"]
-    masters = params * 4 if naive else 0
-    master_grads = params * 4 if naive else 0
-    moments, steps = params * 8, tensors * 4
-    n = sc.zero_group
-    if sc.zero >= 1:
-        masters, moments, steps = (math.ceil(x / n) for x in (masters, moments, steps))
-    if sc.zero >= 2:
-        grads, master_grads = math.ceil(grads / n), math.ceil(master_grads / n)
-    if sc.zero >= 3:
-        weights = math.ceil(weights / n)
-    host = 0.0
-    if sc.offload:
-        host = masters + moments + steps + master_grads
-        masters = moments = steps = master_grads = 0
-    return ModelStates(weights, grads, masters, master_grads, moments, steps, host)
+    full = sum(math.prod(shape) * k for shape, k in shapes)
+    tensors = sum(k for _, k in shapes)
+    if sc.zero == 0:
+        masters = full * 4 if naive else 0
+        return ModelStates(full * nb["w"], full * nb["w"], masters, masters, full * 8, tensors * 4)
+    rows = sum(owned(shape, sc.zero_group) * k for shape, k in shapes)
+    steps = tensors * 4
+    if sc.zero == 3:
+        gathered = 2 * largest_layer * (2 if sc.amp in ("naive", "bf16") else 4)
+        states = ModelStates(rows * 4, rows * 4, 0, 0, rows * 8, steps, 0.0, gathered)
+    else:
+        copy = naive or sc.offload
+        masters = rows * 4 if copy else 0
+        master_grads = rows * (4 if naive else nb["w"])
+        grads = full * nb["w"] if sc.zero == 1 else 0
+        states = ModelStates(full * nb["w"], grads, masters, master_grads, rows * 8, steps)
+    if sc.offload:  # optimizer rows (stage 3: parameters and gradients too) live on the host
+        moved = states.master_weights + states.master_grads + states.moments + states.steps
+        if sc.zero == 3:
+            moved += states.weights + states.grads
+            states = dataclasses.replace(states, weights=0, grads=0)
+        states = dataclasses.replace(
+            states, master_weights=0, master_grads=0, moments=0, steps=0, host=moved
+        )
+    return states
 
 
 # ---- activations -----------------------------------------------------------------------------

@@ -166,8 +166,8 @@ class Scenario:
         t, mode, b = self.tensor, self.mode, self.micro_batch
         if self.zero not in (0, 1, 2, 3):
             raise EstimateError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
-        if self.offload and self.zero != 3:
-            raise EstimateError(f"zero offload needs stage 3, got stage {self.zero}")
+        if self.offload and not self.zero:
+            raise EstimateError("zero offload needs a ZeRO stage (1, 2 or 3)")
         if self.recompute not in ("none", "full"):
             raise EstimateError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
         heads_split, what = _heads_split(mode, t, self.depth)
@@ -227,6 +227,23 @@ class StageLayers:
         elif self.head:
             n += shards.head.numel_with_ties
         return n
+
+    def shapes(self, shards: TensorShards) -> list[tuple[tuple[int, ...], int]]:
+        """(local shape, how many) of every parameter tensor this stage holds."""
+        out = [(shape, self.blocks) for shape in shards.block.local.values()] if self.blocks else []
+        if self.embed:
+            out += [(shape, 1) for shape in shards.embed.local.values()]
+        if self.head:
+            tied = shards.head.tied if self.embed else frozenset()
+            out += [(shape, 1) for key, shape in shards.head.local.items() if key not in tied]
+        return out
+
+    def largest_layer(self, shards: TensorShards) -> int:
+        """Parameters of the stage's largest layer (a ZeRO-3 unit gathered at once)."""
+        sizes = [shards.block.numel] if self.blocks else []
+        sizes += [shards.embed.numel] if self.embed else []
+        sizes += [shards.head.numel_with_ties] if self.head else []
+        return max(sizes, default=0)
 
     def tensors(self, shards: TensorShards) -> int:
         """Parameter tensors this stage holds (each has an optimizer ``step`` scalar)."""

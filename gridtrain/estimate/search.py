@@ -99,7 +99,7 @@ def _memory(spec, sc: Scenario, device: DeviceSpec, shards, geo) -> float:
     for layers in sc.stages(spec, shards):
         key = (layers.embed, layers.blocks, layers.head)
         if key not in seen:
-            states = model_states(layers.params(shards), layers.tensors(shards), sc)
+            states = model_states(layers.shapes(shards), sc, layers.largest_layer(shards))
             acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
             block = sum(b for _, b in acts.block) if sc.recompute == "full" else 0.0
             seen[key] = (states.total, acts.per_microbatch, block)
@@ -163,7 +163,7 @@ def _layout(spec, device, world, batch, base, options, p, mode, t, depth, result
             break
         sc0 = dataclasses.replace(probe, zero=zero)
         states = max(
-            model_states(st.params(shards), st.tensors(shards), sc0).total
+            model_states(st.shapes(shards), sc0, st.largest_layer(shards)).total
             for st in sc0.stages(spec, shards)
         )
         if states > device.memory:
