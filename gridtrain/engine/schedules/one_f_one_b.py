@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,9 +28,13 @@ from gridtrain.parallel.pipeline.p2p import Payload, PipelineP2P, as_tuple, inpu
 
 
 def _micro(x: Any, m: int, what: str) -> list[Any]:
-    """``m`` micro-batches of ``x`` (a tensor, a tuple/list of tensors, or None) along dim 0."""
+    """``m`` micro-batches of ``x`` (a tensor, a tuple/list or dict of tensors, or None)
+    along dim 0; a dict (Hugging Face's ``input_ids``, ``attention_mask``...) stays a dict."""
     if x is None:
         return [None] * m
+    if isinstance(x, dict):
+        parts = {k: _micro(v, m, f"{what}[{k!r}]") for k, v in x.items()}
+        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
     if isinstance(x, tuple | list):
         parts = [_micro(t, m, what) for t in x]
         return [tuple(p[i] for p in parts) for i in range(m)]
@@ -47,6 +52,8 @@ def _micro(x: Any, m: int, what: str) -> list[Any]:
 def _cat(parts: list[Any]) -> Any:
     if not parts or parts[0] is None:
         return None
+    if isinstance(parts[0], Mapping):  # a dict or a Hugging Face ModelOutput
+        return type(parts[0])(**{k: _cat([p[k] for p in parts]) for k in parts[0]})
     if isinstance(parts[0], tuple):
         return tuple(_cat([p[i] for p in parts]) for i in range(len(parts[0])))
     return torch.cat([p.detach() for p in parts], dim=0)

@@ -1,9 +1,12 @@
 """Cutting a model into pipeline stages: which layers each rank keeps, and only those built.
 
-A model is partitionable when it is an ``nn.Sequential`` or defines
+A model is partitionable when it is an ``nn.Sequential``, defines
 ``pipeline_layers()`` returning its layers in execution order (modules, or
-``(name, module)`` pairs); the output of each layer is the input of the next (a
-tuple is unpacked into positional arguments). The layers are cut into
+``(name, module)`` pairs), or comes from a library with a model adapter
+(``gridtrain.hf`` lists a Hugging Face model's layers); the output of each layer is
+the input of the next (a tuple is unpacked into positional arguments; a layer with a
+``gt_pipeline_run(layer, *inputs)`` attribute is run through it). A dict batch is
+passed to the first layer as keyword arguments. The layers are cut into
 ``P * num_chunks`` contiguous parts, evenly by layer count ("uniform") or
 balancing parameter counts ("parameters"); virtual part ``c * P + s`` is chunk
 ``c`` of stage ``s`` (Megatron's interleaving). A stage module registers its
@@ -25,6 +28,7 @@ from torch import nn
 
 from gridtrain.parallel.materialize import materialise
 from gridtrain.parallel.tags import mark_pipeline_shared
+from gridtrain.parallel.tensor.plan import model_adapter
 
 logger = logging.getLogger("gridtrain")
 
@@ -37,6 +41,8 @@ def layer_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
         items = list(model.pipeline_layers())
     elif isinstance(model, nn.Sequential):
         items = list(model.named_children())
+    elif model_adapter(model) is not None:
+        items = list(model_adapter(model).pipeline_layers(model))
     else:
         raise TypeError(
             f"pipeline parallelism needs an nn.Sequential or a model with pipeline_layers(); "
@@ -163,10 +169,13 @@ class PipelineStage(nn.Module):
         """The layers of chunk ``index``, in execution order."""
         return [self.get_submodule(name) for name in self.chunk_layer_names[index]]
 
-    def forward(self, *inputs: Any, chunk: int = 0) -> Any:
+    def forward(self, *inputs: Any, chunk: int = 0, **kwargs: Any) -> Any:
         x: Any = inputs
         for layer in self.chunk(chunk):
-            x = layer(*x) if isinstance(x, tuple) else layer(x)
+            args = x if isinstance(x, tuple) else (x,)
+            run = getattr(layer, "gt_pipeline_run", None)  # set by model adapters
+            x = run(layer, *args, **kwargs) if run is not None else layer(*args, **kwargs)
+            kwargs = {}  # keyword inputs (a dict batch) go to the first layer only
         return x
 
 
@@ -221,6 +230,8 @@ def build_stage(
         if pid in new_of:
             mark_pipeline_shared(new_of[pid], tie)
     module = PipelineStage(kept, chunks, stage, pipeline_size, getattr(model, "dense_key", None))
+    if getattr(model, "config", None) is not None:  # a Hugging Face config: save_pretrained
+        module.config = model.config
     logger.info(
         "pipeline stage %d/%d keeps %s (%d parameters, %d shared with another stage)",
         stage,

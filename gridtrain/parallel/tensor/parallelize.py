@@ -37,6 +37,7 @@ from gridtrain.parallel.tensor.plan import (
     _bad_sinks,
     infer_1d,
     match_patterns,
+    model_adapter,
     orientations,
     tracked_modules,
 )
@@ -69,6 +70,9 @@ def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> P
     plan = Plan(mode, n)
     if mode is None:
         return plan
+    own_plan, adapter = model_plan(model), model_adapter(model)
+    if adapter is not None:  # e.g. Hugging Face: gridtrain's plan for GPT-2, head checks
+        own_plan, example = adapter.plan_model(model, ctx, example)
     kinds = tracked_modules(model)
     modules = dict(model.named_modules())
     names = list(kinds)
@@ -80,7 +84,7 @@ def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> P
         hint = getattr(modules[name], HINT_ATTR, None)
         if hint is not None and name not in given:
             given[name] = (hint, "hint")
-    own = match_patterns(model_plan(model), names, f"{type(model).__name__}._tp_plan", False)
+    own = match_patterns(own_plan, names, f"{type(model).__name__}._tp_plan", False)
     for name, style in own.items():
         given.setdefault(name, (style, "model plan"))
     _check_kinds(given, kinds)
@@ -313,5 +317,8 @@ def apply_plan(model: nn.Module, plan: Plan, ctx: ParallelContext) -> dict[int, 
             built.append(layer)
     for layer in built:
         layer.release_dense()
+    adapter = model_adapter(model)
+    if adapter is not None:  # runtime fixes the model's own code needs (local head counts...)
+        adapter.after_apply(model, plan, ctx)
     logger.info("tensor plan applied: %d layers replaced", len(built))
     return new_of

@@ -98,6 +98,21 @@ TRACE_HOW = {
 }
 
 
+def model_adapter(model: nn.Module):
+    """The adapter of the library ``model`` comes from, or None: ``gridtrain.hf`` for Hugging
+    Face ``transformers`` models (their plans, head checks, attention and pipeline layers).
+
+    An adapter module provides ``plan_model(model, ctx, example) -> (plan, example)``,
+    ``after_apply(model, plan, ctx)`` and ``pipeline_layers(model)``. Imported only for
+    such models, so gridtrain never imports ``transformers`` on its own.
+    """
+    if any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        import gridtrain.hf
+
+        return gridtrain.hf
+    return None
+
+
 def tracked_modules(model: nn.Module) -> dict[str, str]:
     """Module path -> kind, for every module the planner may replace (not inside opaque ones)."""
     out: dict[str, str] = {}

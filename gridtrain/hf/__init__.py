@@ -1,0 +1,67 @@
+"""Hugging Face ``transformers`` models in gridtrain: every layout from the config alone, and
+pretrained weights in and out of any layout.
+
+    model = GPT2LMHeadModel(config)            # or LlamaForCausalLM / from_pretrained / lazy_init
+    engine, *_ = gt.initialize(model, optimizer, gt.nn.CrossEntropyLoss())
+    gridtrain.hf.load_pretrained(engine.model, "path/to/hf_dir")  # each rank reads its slices
+    out = engine(input_ids)                    # the HF output object; out.logits gathered
+    loss = engine.criterion(out.logits.reshape(-1, V), labels.reshape(-1))  # labels shifted
+    gridtrain.hf.save_pretrained(engine.model, "out_dir")  # transformers' from_pretrained loads it
+
+``gt.initialize`` calls this package for any ``transformers`` model (the model
+adapter of ``parallel/tensor/plan.py``): ``plan_model`` gives the tensor plan
+(``plans.py``: gridtrain's for GPT-2, the model's own ``_tp_plan`` for the Llama
+family, head checks), ``after_apply`` fixes what the model's code needs once sharded
+(``patches.py``; ring attention and global positions under 'sequence':
+``attention.py``), and ``pipeline_layers`` cuts it along its layer list
+(``pipeline.py``). ``save_pretrained`` / ``load_pretrained`` (``save.py``,
+``load.py``) move weights between any layout and a Hugging Face directory.
+
+Labels are shifted by the user before the batch is split: under sequence parallelism
+HF's internal shift (``labels=`` passed to the model) would cross shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gridtrain.hf.load import PretrainedMismatchError, load_pretrained
+from gridtrain.hf.pipeline import pipeline_layers
+from gridtrain.hf.save import save_pretrained
+from gridtrain.parallel.context import ParallelContext
+
+__all__ = [
+    "PretrainedMismatchError",
+    "after_apply",
+    "load_pretrained",
+    "pipeline_layers",
+    "plan_model",
+    "save_pretrained",
+]
+
+
+def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[dict, Any]:
+    """The tensor plan of a ``transformers`` model under ``ctx`` and the example to trace it
+    with; raises ``PlanError`` (heads not divisible, no plan where one is needed)."""
+    from gridtrain.hf.patches import give_reset_parameters
+    from gridtrain.hf.plans import tensor_plan, trace_example
+
+    plan = tensor_plan(model, ctx)
+    if not model.config.architectures:
+        model.config.architectures = [type(model).__name__]
+    give_reset_parameters(model)  # gt.lazy_init: shards re-run the model's own init
+    return plan, trace_example(example)
+
+
+def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:
+    """Once the plan is applied: local head counts (GPT-2), ring attention under 'sequence'."""
+    from gridtrain.hf.attention import install
+    from gridtrain.hf.patches import localise_gpt2_heads
+    from gridtrain.hf.plans import head_split
+
+    if getattr(model.config, "model_type", None) == "gpt2":
+        localise_gpt2_heads(model, head_split(ctx))
+    if ctx.tensor_mode == "sequence":
+        install(model, ctx)

@@ -1,0 +1,77 @@
+"""Small fixes a Hugging Face model's own code needs once its layers are sharded or lazily built.
+
+* GPT-2's attention splits ``c_attn``'s output with ``split_size = hidden`` (the dense
+  width); with heads split over the tensor group each rank's ``c_attn`` returns
+  ``3 * hidden / split`` features, so ``split_size`` (and ``num_heads``) become local.
+  Llama-family attention reshapes with ``-1`` heads and needs nothing.
+* ``gt.lazy_init()`` builds the model on meta; the engine then allocates each rank's
+  shards and re-runs ``reset_parameters``. HF modules without one (``Conv1D``,
+  ``*RMSNorm``) get the model's own ``_init_weights``, and rotary embeddings, whose
+  ``inv_freq`` is computed in ``__init__`` and never saved, are recomputed from the config.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from gridtrain.parallel.tensor.base import is_conv1d
+from gridtrain.parallel.tensor.norm import norm_kind
+
+
+def localise_gpt2_heads(model: nn.Module, split: int) -> None:
+    """Make every GPT-2 attention's ``split_size`` / ``num_heads`` this rank's."""
+    if split == 1:
+        return
+    for module in model.modules():
+        if hasattr(module, "c_attn") and hasattr(module, "split_size"):
+            module.split_size = module.embed_dim // split
+            module.num_heads = module.num_heads // split
+
+
+def give_reset_parameters(model: nn.Module) -> None:
+    """Attach ``reset_parameters`` (the HF model's ``_init_weights``) where a layer has none."""
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        return
+    for module in model.modules():
+        if hasattr(module, "reset_parameters") or not (
+            is_conv1d(module) or norm_kind(module) is not None or is_rotary(module)
+        ):
+            continue
+        module.reset_parameters = types.MethodType(_reset_with(init), module)
+
+
+def _reset_with(init):
+    def reset_parameters(self: nn.Module) -> None:
+        if is_rotary(self):
+            recompute_rotary(self)
+            return
+        with torch.no_grad():
+            init(self)
+
+    return reset_parameters
+
+
+def is_rotary(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "config")
+
+
+@torch.no_grad()
+def recompute_rotary(module: nn.Module) -> None:
+    """``inv_freq`` (never in a checkpoint) from the config, as a fresh module computes it."""
+    fresh = type(module)(config=module.config)
+    for name, buf in fresh.named_buffers(recurse=False):
+        mine = getattr(module, name, None)
+        if isinstance(mine, torch.Tensor) and not mine.is_meta and mine.shape == buf.shape:
+            mine.copy_(buf.to(mine.device, mine.dtype))
+    if hasattr(fresh, "attention_scaling"):
+        module.attention_scaling = fresh.attention_scaling
+
+
+def recompute_all_rotary(model: nn.Module) -> None:
+    for module in model.modules():
+        if is_rotary(module):
+            recompute_rotary(module)

@@ -1,0 +1,176 @@
+"""Which style each layer of a Hugging Face model gets, and the checks that come before.
+
+* **GPT-2** has no ``_tp_plan``: gridtrain gives it one. Its fused ``c_attn`` (a
+  ``Conv1D``, weight ``[in, out]``, output laid out ``[q | k | v]``) is
+  ``packed_colwise`` with 3 blocks in every head-splitting mode, so each rank keeps
+  whole heads of q, k and v; under 1d ``c_proj`` is row-parallel, the MLP a
+  column/row pair, and ``lm_head`` (tied to ``wte``) gathers its logits.
+* **Llama family** (Llama, Qwen2, Mistral, ...) bring their own ``_tp_plan``
+  (HF pattern syntax, already prefixed by ``transformers``); gridtrain uses it, moving
+  a vocabulary split that does not divide to the embedding dimension.
+* **Any other model** under a mode that splits heads must get its styles from
+  ``parallel.tensor.plan``: tracing cannot see how a fused projection packs its heads,
+  so gridtrain refuses to guess and names the Linear layers that need a style.
+
+Heads are checked before anything is built: query heads and key/value heads must
+divide by the number of ways the mode splits them (1d: the tensor size; 2d and 2.5d:
+the grid side q; 3d: the cube side d). Logits stay gathered by default, so
+``out.logits.reshape(-1, V)`` is right in every mode.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import nn
+
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.plan import LINEAR, PlanError, pattern_matches, tracked_modules
+
+GRID_MODES = ("2d", "2.5d", "3d")
+
+
+def head_split(ctx: ParallelContext) -> int:
+    """How many ways the tensor mode splits attention heads (1 = not at all)."""
+    mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
+    if mode == "1d":
+        return n
+    if mode in ("2d", "2.5d"):
+        depth = ctx.config.parallel.tensor.depth if mode == "2.5d" else 1
+        return math.isqrt(n // depth)
+    if mode == "3d":
+        return round(n ** (1 / 3))
+    return 1
+
+
+def base_prefix(model: nn.Module) -> str:
+    """``"transformer."`` for GPT2LMHeadModel, ``""`` for a bare GPT2Model."""
+    base = getattr(model, "base_model", model)
+    for name, module in model.named_modules():
+        if module is base:
+            return f"{name}." if name else ""
+    return ""
+
+
+def check_heads(model: nn.Module, ctx: ParallelContext) -> None:
+    """Query and key/value head counts must divide by the mode's head split."""
+    split = head_split(ctx)
+    cfg = getattr(model, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if split == 1 or heads is None:
+        return
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    how = _how(ctx, split)
+    for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if count % split:
+            raise PlanError(
+                f"{type(model).__name__}: {what}={count} is not divisible by {split}: {how}; "
+                f"choose a layout whose head split divides both num_attention_heads={heads} "
+                f"and num_key_value_heads={kv}"
+            )
+
+
+def _how(ctx: ParallelContext, split: int) -> str:
+    mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
+    if mode == "1d":
+        return f"tensor mode '1d' splits the heads over the tensor size {n}"
+    side = "the cube side d" if mode == "3d" else "the grid side q"
+    return f"tensor mode {mode!r} (size {n}) splits the heads over {side} = {split}"
+
+
+def tensor_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
+    """The model's plan under ``ctx`` (HF pattern syntax); raises PlanError (see module doc)."""
+    mode = ctx.tensor_mode
+    if mode == "sequence":  # weights replicated; attention must be reachable to make it a ring
+        if not getattr(type(model), "_supports_attention_backend", False):
+            raise PlanError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "AttentionInterface (no _supports_attention_backend), so gridtrain cannot give "
+                "it ring attention; tensor mode 'sequence' needs that"
+            )
+        return {}
+    check_heads(model, ctx)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "gpt2":
+        return gpt2_plan(model, ctx)
+    own = getattr(model, "_tp_plan", None) or getattr(model, "gt_tp_plan", None)
+    if own:
+        return fit_vocab(model, dict(own), ctx)
+    _refuse_unplanned(model, ctx)
+    return {}
+
+
+def gpt2_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
+    """gridtrain's plan for GPT-2 (GPT2LMHeadModel, GPT2Model, GPT2For...)."""
+    cfg, p = model.config, base_prefix(model)
+    if getattr(cfg, "add_cross_attention", False):
+        raise PlanError(
+            f"{type(model).__name__}: GPT-2 with cross-attention (add_cross_attention=True) "
+            "has no gridtrain plan; give its styles in parallel.tensor.plan"
+        )
+    plan = {f"{p}h.*.attn.c_attn": "packed_colwise"}  # [q | k | v]: 3 blocks, whole heads
+    if ctx.tensor_mode in GRID_MODES:  # every other Linear is the mode's own; logits gathered
+        plan["lm_head"] = "gather_output"
+        return plan
+    plan.update(
+        {
+            f"{p}h.*.attn.c_proj": "rowwise",
+            f"{p}h.*.mlp.c_fc": "colwise",
+            f"{p}h.*.mlp.c_proj": "rowwise",
+        }
+    )
+    n = ctx.world_size(ParallelMode.TENSOR)
+    if cfg.vocab_size % n == 0:  # vocabulary split, logits gathered (HF's colwise_gather_output)
+        plan[f"{p}wte"], plan["lm_head"] = "embedding_rowwise", "colwise_gather_output"
+    else:  # GPT-2's 50257 tokens: split the hidden dim of the tied table instead
+        plan[f"{p}wte"], plan["lm_head"] = "embedding_colwise", "rowwise_split_input"
+    return plan
+
+
+def fit_vocab(model: nn.Module, plan: dict[str, str], ctx: ParallelContext) -> dict[str, str]:
+    """Under 1d, a vocabulary split that does not divide moves to the hidden dimension."""
+    if ctx.tensor_mode != "1d":
+        return plan
+    n = ctx.world_size(ParallelMode.TENSOR)
+    modules = dict(model.named_modules())
+    out = {}
+    for pattern, style in plan.items():
+        hits = [m for name, m in modules.items() if pattern_matches(pattern, name)]
+        rows = [_vocab_rows(m, style) for m in hits]
+        if any(r is not None and r % n for r in rows):
+            style = {"embedding_rowwise": "embedding_colwise"}.get(style, "rowwise_split_input")
+        out[pattern] = style
+    return out
+
+
+def _vocab_rows(module: nn.Module, style: str) -> int | None:
+    if style == "embedding_rowwise" and isinstance(module, nn.Embedding):
+        return module.num_embeddings
+    if style == "colwise_gather_output" and isinstance(module, nn.Linear):
+        return module.out_features
+    return None
+
+
+def _refuse_unplanned(model: nn.Module, ctx: ParallelContext) -> None:
+    given = getattr(ctx.config.parallel.tensor, "plan", None) or {}
+    linears = [n for n, kind in tracked_modules(model).items() if kind == LINEAR]
+    missing = [n for n in linears if not any(pattern_matches(p, n) for p in given)]
+    if missing:
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
+        raise PlanError(
+            f"{type(model).__name__} (model_type {model_type!r}) has no tensor plan (no "
+            f"_tp_plan, and gridtrain has none for it): tensor mode {ctx.tensor_mode!r} splits "
+            f"attention heads and tracing cannot tell how fused projections pack them; give "
+            f"a style in parallel.tensor.plan for each of these {len(missing)} modules: "
+            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+
+
+def trace_example(example: Any) -> Any:
+    """The example traced on meta without ``attention_mask``: HF's mask code reads mask values
+    (``.all()``), which meta tensors do not have, and the data flow does not depend on it."""
+    if isinstance(example, dict):
+        return {k: v for k, v in example.items() if k != "attention_mask"}
+    return example

@@ -1,0 +1,208 @@
+"""``save_pretrained``: a Hugging Face directory (config.json, *.safetensors, index) from any layout.
+
+Every rank calls it. The dense tensors are cut into files of at most
+``max_shard_size`` bytes (HF's names: ``model.safetensors``, or
+``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``); a file
+only holds tensors of one pipeline stage, and its writer is one rank of that stage's
+first data-parallel replica (files go round the tensor ranks). For each tensor the
+tensor group rebuilds the dense tensor from its shards (``full_tensor``, one tensor at
+a time) and the writer streams it to disk, so no rank ever holds more than one dense
+tensor, never the model.
+
+The file is written by hand because ``safetensors.torch.save_file`` needs every tensor
+of a file in memory at once; the format is an 8-byte header length, a JSON header
+(dtype, shape and byte offsets per tensor, ``__metadata__: {"format": "pt"}``) and the
+raw little-endian bytes. ``safetensors.safe_open`` and ``transformers`` read it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gridtrain.hf.weights import DTYPES, Entry, current, entries, gather_objects, hf_config, world
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.sharding import full_tensor
+from gridtrain.parallel.tags import get_shard_spec
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+    ctx: ParallelContext | None = None,
+) -> list[str]:
+    """Write ``model`` (any layout; ``engine.model`` or the sharded HF model) as a Hugging Face
+    directory that ``transformers``' ``from_pretrained`` and ``gridtrain.hf.load_pretrained``
+    load. Every rank calls it; returns the weight file names."""
+    ctx = current(ctx)
+    config = hf_config(model)
+    directory = Path(directory)
+    limit = parse_size(max_shard_size)
+    mine, _ = entries(model, ctx)
+    stage = ctx.local_rank(ParallelMode.PIPELINE) if ctx is not None else 0
+    meta = [(e.key, e.shape, str(e.tensor.dtype), e.tie, e.nbytes) for e in mine]
+    stages = gather_objects(meta, ctx, ParallelMode.PIPELINE)
+    files = plan_files(stages, limit)
+    if _rank(ctx) == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        _remove_stale(directory)
+    _barrier(ctx)
+    by_key = {e.key: e for e in mine}
+    for index, (name, file_stage, keys) in enumerate(files):
+        if file_stage == stage and _in_first_replica(ctx):
+            writer = _writer_rank(ctx, index)
+            _write_file(directory / name, keys, by_key, stages[file_stage], ctx, writer)
+    _barrier(ctx)
+    if _rank(ctx) == 0:
+        _write_index(directory, files, stages)
+        _write_config(directory, config, model, stages)
+    _barrier(ctx)
+    return [name for name, _, _ in files]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of ``size``: an int, or ``"5GB"``/``"500MB"``/``"2GiB"`` (HF's convention)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B\s*", size.upper().replace("IB", "iB"))
+    if not m:
+        raise ValueError(f"max_shard_size: expected bytes or e.g. '5GB', got {size!r}")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2) or " "))
+
+
+def plan_files(stages: list[list[tuple]], limit: int) -> list[tuple[str, int, list[str]]]:
+    """``(file name, stage, keys)``: dense order, one stage per file, each under ``limit``
+    bytes (a larger tensor gets a file of its own). A weight tied across the first and last
+    stage is written once, under the first stage's key."""
+    files: list[tuple[int, list[str], int]] = []
+    ties: set[int] = set()
+    for stage, meta in enumerate(stages):
+        current_keys: list[str] = []
+        size = 0
+        for key, _, _, tie, nbytes in meta:
+            if tie is not None:
+                if tie in ties:
+                    continue
+                ties.add(tie)
+            if current_keys and size + nbytes > limit:
+                files.append((stage, current_keys, size))
+                current_keys, size = [], 0
+            current_keys.append(key)
+            size += nbytes
+        if current_keys:
+            files.append((stage, current_keys, size))
+    n = len(files)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return [(name, stage, keys) for name, (stage, keys, _) in zip(names, files, strict=True)]
+
+
+def _write_file(path: Path, keys, by_key: dict[str, Entry], meta, ctx, writer: int) -> None:
+    info = {key: (shape, dtype) for key, shape, dtype, _, _ in meta}
+    me = _rank(ctx) == writer
+    out = open(path, "wb") if me else None  # noqa: SIM115 - closed below, written tensor by tensor
+    try:
+        if out is not None:
+            out.write(_header(keys, info))
+        for key in keys:
+            e = by_key[key]
+            spec = get_shard_spec(e.tensor) if ctx is not None else ()
+            dense = full_tensor(e.tensor.detach(), spec, ctx) if spec else e.tensor.detach()
+            if out is not None:
+                data = dense.cpu().contiguous().reshape(-1).view(torch.uint8)
+                out.write(data.numpy().tobytes())
+            del dense
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _header(keys: list[str], info: dict[str, tuple]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in keys:
+        shape, dtype = info[key]
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {
+            "dtype": DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_index(directory: Path, files, stages) -> None:
+    if len(files) == 1:
+        return
+    sizes = {key: nbytes for meta in stages for key, _, _, _, nbytes in meta}
+    weight_map = {key: name for name, _, keys in files for key in keys}
+    total = sum(sizes[k] for k in weight_map)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config(directory: Path, config, model: nn.Module, stages) -> None:
+    config = copy.deepcopy(config)
+    if not getattr(config, "architectures", None) and hasattr(model, "base_model_prefix"):
+        config.architectures = [type(model).__name__]
+    dtypes = [d for meta in stages for _, _, d, _, _ in meta]
+    floats = [d for d in dtypes if getattr(torch, d.removeprefix("torch.")).is_floating_point]
+    if floats:
+        config.dtype = getattr(torch, floats[0].removeprefix("torch."))
+    if getattr(config, "_attn_implementation_internal", None) == "gridtrain_ring":
+        config._attn_implementation_internal = None  # a runtime choice of gridtrain's, not saved
+    config.save_pretrained(directory)
+
+
+def _remove_stale(directory: Path) -> None:
+    """Weight files of an earlier save into the same directory would confuse loaders."""
+    for path in directory.iterdir():
+        if path.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", path.name):
+            path.unlink()
+
+
+def _rank(ctx: ParallelContext | None) -> int:
+    return ctx.global_rank if ctx is not None and world(ctx) > 1 else 0
+
+
+def _barrier(ctx: ParallelContext | None) -> None:
+    if world(ctx) > 1:
+        dist.barrier(group=ctx.group(ParallelMode.GLOBAL))
+
+
+def _in_first_replica(ctx: ParallelContext | None) -> bool:
+    if ctx is None:
+        return True
+    first = ctx.local_rank(ParallelMode.DATA) == 0
+    if ctx.tensor_mode == "sequence":  # sequence ranks are replicas of the weights too
+        first = first and ctx.local_rank(ParallelMode.SEQUENCE) == 0
+    return first
+
+
+def _writer_rank(ctx: ParallelContext | None, index: int) -> int:
+    """The global rank writing file ``index``: this stage's first replica, round the tensor
+    ranks (their shards are gathered by the whole tensor group)."""
+    if ctx is None or world(ctx) == 1:
+        return 0
+    ranks = ctx.ranks(ParallelMode.TENSOR)
+    if ctx.tensor_mode == "sequence":
+        return ranks[0]
+    return ranks[index % len(ranks)]
