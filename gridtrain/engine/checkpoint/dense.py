@@ -13,28 +13,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from gridtrain.engine.checkpoint import files
 from gridtrain.engine.checkpoint.state import (
+    full_local_like,
+    full_model_state,
     hyperparameters,
     inner,
+    is_moment,
+    load_model_state,
     masters,
     optimizer_params,
     param_names,
+    sync_model_from_masters,
+    to_param_layout,
 )
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import (
     dense_shape,
-    full_state_dict,
     full_tensor,
     get_shard_spec,
-    load_full_state_dict,
     shard_tensor,
 )
+from gridtrain.parallel.zero.partition import copy_full_local, full_local
 
 FORMAT = 1
 
@@ -55,9 +59,10 @@ def dense_optimizer_state(optimizer, model: nn.Module, ctx: ParallelContext) -> 
         entry = {}
         for key, value in inner(optimizer).state.get(p, {}).items():
             if isinstance(value, Tensor):
-                if value.dim() > 0 and value.shape == p.shape:
+                if is_moment(value, p):  # ZeRO rows gathered first, then the TP shards
+                    value = full_local_like(value, p, ctx)
                     value = full_tensor(value, get_shard_spec(model_param), ctx)
-                value = value.detach().cpu().clone()
+                value = full_local(value, ctx).detach().cpu().clone()
             entry[key] = value
         if entry:
             state[name] = entry
@@ -75,11 +80,11 @@ def _load_optimizer_state(optimizer, model: nn.Module, saved: dict, ctx: Paralle
         params = list(range(start, start + len(group["params"])))
         local["param_groups"].append({**hyperparameters(optimizer)[g], **hyper, "params": params})
         start += len(params)
-    for index, _, _, model_param, name in optimizer_params(optimizer, model):
+    for index, _, p, model_param, name in optimizer_params(optimizer, model):
         if name in saved["state"]:
             dense = dense_shape(model_param, ctx)
             local["state"][index] = {
-                k: shard_tensor(v, get_shard_spec(model_param), ctx)
+                k: to_param_layout(shard_tensor(v, get_shard_spec(model_param), ctx), p, ctx)
                 if isinstance(v, Tensor) and v.dim() > 0 and tuple(v.shape) == dense
                 else v
                 for k, v in saved["state"][name].items()
@@ -89,11 +94,13 @@ def _load_optimizer_state(optimizer, model: nn.Module, saved: dict, ctx: Paralle
 
 def payload(model, optimizer, lr_scheduler, epoch: int, extra, ctx: ParallelContext) -> dict:
     """Collective: the whole checkpoint as one dict of dense tensors and plain values."""
-    model_state = full_state_dict(model, ctx)
+    model_state = full_model_state(model, ctx)
     if masters(optimizer):
         names = param_names(model)
-        fp32 = {
-            names[id(p)]: full_tensor(m.detach(), get_shard_spec(p), ctx).cpu().clone()
+        fp32 = {  # ZeRO: the masters' rows gathered first
+            names[id(p)]: full_tensor(full_local(m, ctx).detach(), get_shard_spec(p), ctx)
+            .cpu()
+            .clone()
             for p, m in masters(optimizer)
         }
         if ctx.pipeline_parallel_size > 1:
@@ -124,14 +131,15 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
         raise ValueError(
             f"load_checkpoint: '{path}' is not a gridtrain checkpoint (format {FORMAT})"
         )
-    load_full_state_dict(model, ckpt["model"], ctx)
+    load_model_state(model, ckpt["model"], ctx)
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise KeyError(f"load_checkpoint: '{path}' holds no optimizer state")
         names = param_names(model)
-        with torch.no_grad():
-            for p, master in masters(optimizer):
-                master.copy_(shard_tensor(ckpt["model"][names[id(p)]], get_shard_spec(p), ctx))
+        for p, master in masters(optimizer):  # fp32 values; ZeRO: this rank's rows
+            full = shard_tensor(ckpt["model"][names[id(p)]], get_shard_spec(p), ctx)
+            copy_full_local(master, full.to(master.device, master.dtype), ctx)
+        sync_model_from_masters(optimizer, ctx)
         _load_optimizer_state(optimizer, model, ckpt["optimizer"], ctx)
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and ckpt["scaler"] is not None:

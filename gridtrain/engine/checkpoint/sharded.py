@@ -29,20 +29,24 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from gridtrain.engine.checkpoint import files
 from gridtrain.engine.checkpoint.state import (
     chunk_view,
     hyperparameters,
     inner,
+    is_moment,
     layout,
     masters,
     optimizer_params,
     rng_state,
     set_rng_state,
+    sync_model_from_masters,
 )
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.sharding import dense_items, dense_shape, get_shard_spec
+from gridtrain.parallel.zero.partition import get_zero_rows, local
 
 logger = logging.getLogger("gridtrain")
 
@@ -93,16 +97,21 @@ def state_dict(model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> d
     fp32 = {id(p): m for p, m in masters(optimizer)}
     out: dict[str, Any] = {}
     for key, t in dense_items(model):
-        out[MODEL + key] = chunk_view(fp32.get(id(t), t), get_shard_spec(t), ctx)
+        view = chunk_view(fp32.get(id(t), t), get_shard_spec(t), ctx)
+        if view is not None:  # None: ZeRO gave this rank no rows of it
+            out[MODEL + key] = view
     if optimizer is not None:
         opt = inner(optimizer)
         for _, _, p, model_param, name in optimizer_params(optimizer, model):
             for key, value in opt.state.get(p, {}).items():
                 fqn = f"{OPTIM}{name}/{key}"
                 if isinstance(value, Tensor):
-                    moment = value.dim() > 0 and value.shape == p.shape
-                    spec = get_shard_spec(model_param) if moment else ()
-                    out[fqn] = chunk_view(value, spec, ctx)
+                    if is_moment(value, p):  # cut as the parameter is: ZeRO rows too
+                        view = chunk_view(value, get_shard_spec(model_param), ctx, get_zero_rows(p))
+                    else:
+                        view = chunk_view(local(value), (), ctx)
+                    if view is not None:
+                        out[fqn] = view
                 else:
                     out[fqn] = value
         out[GROUPS] = hyperparameters(optimizer)
@@ -153,12 +162,35 @@ def _optimizer_targets(optimizer, model, md: dict, ctx: ParallelContext):
             if not isinstance(meta, TensorStorageMetadata):
                 targets[fqn] = None  # a plain value
             elif len(meta.size) > 0 and tuple(meta.size) == dense_shape(model_param, ctx):
-                buf = torch.empty(p.shape, dtype=meta.properties.dtype, device=p.device)
-                targets[fqn] = chunk_view(buf, get_shard_spec(model_param), ctx)
+                mine = local(p)  # ZeRO: this rank's rows (stage 3: of the DTensor)
+                buf = torch.empty(mine.shape, dtype=meta.properties.dtype, device=mine.device)
+                view = chunk_view(buf, get_shard_spec(model_param), ctx, get_zero_rows(p))
+                targets[fqn] = _Filled(buf if view is None else view, p)
             else:
                 targets[fqn] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         entries.append((index, name, keys))
     return targets, entries
+
+
+class _Filled:
+    """An optimizer-state buffer DCP fills (``None`` view: ZeRO left this rank no rows), and
+    the parameter whose layout it takes."""
+
+    def __init__(self, buf: Tensor, param: Tensor):
+        self.buf, self.param = buf, param
+
+    def value(self) -> Tensor:
+        if isinstance(self.param, DTensor):  # stage 3: state is a DTensor like its parameter
+            p = self.param
+            return DTensor.from_local(
+                self.buf,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+        return self.buf
 
 
 def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
@@ -180,7 +212,9 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
                 f"load_checkpoint: '{key}' has dense shape {tuple(md[fqn].size)} in '{path}', "
                 f"the model's is {want}"
             )
-        targets[fqn] = chunk_view(fp32.get(id(t), t), get_shard_spec(t), ctx)
+        view = chunk_view(fp32.get(id(t), t), get_shard_spec(t), ctx)
+        if view is not None:
+            targets[fqn] = view
     if missing:
         raise KeyError(f"load_checkpoint: '{path}' lacks {len(missing)} keys, e.g. {missing[:5]}")
     plain = ["extra"] if extra is not None else []
@@ -189,7 +223,13 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
         if GROUPS not in md:
             raise KeyError(f"load_checkpoint: '{path}' holds no optimizer state")
         opt_targets, opt_entries = _optimizer_targets(optimizer, model, md, ctx)
-        targets.update(opt_targets)
+        targets.update(
+            {
+                k: v.buf if isinstance(v, _Filled) else v
+                for k, v in opt_targets.items()
+                if not (isinstance(v, _Filled) and not _has_chunks(v.buf))
+            }
+        )
         plain += [GROUPS, "scaler"]
     if lr_scheduler is not None:
         if "lr_scheduler" not in md:
@@ -213,11 +253,9 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
         raise first_failure(err) from err
     values = planner.values
 
-    with torch.no_grad():
-        for p, master in masters(optimizer):
-            p.copy_(master)
+    sync_model_from_masters(optimizer, ctx)
     if optimizer is not None:
-        _load_optimizer(optimizer, targets, values, opt_entries)
+        _load_optimizer(optimizer, opt_targets, values, opt_entries)
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and "scaler" in values:
             scaler.load_state_dict(values["scaler"])
@@ -243,11 +281,21 @@ def _load_optimizer(optimizer, targets: dict, values: dict, entries) -> None:
     for index, name, keys in entries:
         if keys:
             local["state"][index] = {
-                key: values[fqn] if targets[fqn] is None else targets[fqn]
+                key: _value(targets[fqn], values.get(fqn))
                 for key in keys
                 for fqn in [f"{OPTIM}{name}/{key}"]
             }
     opt.load_state_dict(local)
+
+
+def _has_chunks(t: Tensor) -> bool:
+    return hasattr(t, "global_offsets")
+
+
+def _value(target: Any, plain: Any) -> Any:
+    if target is None:
+        return plain
+    return target.value() if isinstance(target, _Filled) else target
 
 
 __all__ = ["load", "read_marker", "state_dict"]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
@@ -35,9 +36,12 @@ from gridtrain.parallel.zero.partition import (
     ZeroRows,
     copy_full_local,
     full_local,
+    gather_rows,
     get_owner,
     get_zero_rows,
     local,
+    owned_like,
+    owned_range,
 )
 
 logger = logging.getLogger("gridtrain")
@@ -90,6 +94,52 @@ def optimizer_params(optimizer, model: nn.Module):
             elif model_param.numel() != 0:
                 raise KeyError("the optimizer holds a parameter that is not in the model")
             flat += 1
+
+
+def is_moment(value: Any, param: Tensor) -> bool:
+    """Whether an optimizer state value is shaped like its parameter (cut as the parameter is)."""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def sync_model_from_masters(optimizer, ctx: ParallelContext) -> None:
+    """After loading: write the masters into the model (naive fp16: copy; ZeRO: all-gather),
+    or, where ZeRO's masters copy an fp32 model (``offload``), refresh them from the model."""
+    if masters(optimizer):
+        optimizer.sync_model_from_masters()
+        return
+    if optimizer is None:
+        return
+    with torch.no_grad():
+        for group in inner(optimizer).param_groups:
+            for q in group["params"]:
+                p, rows = get_owner(q), get_zero_rows(q)
+                if p is not None and q.dtype == p.dtype and q.data_ptr() != p.data_ptr():
+                    q.copy_(owned_like(p.data, rows, ctx))
+
+
+def full_local_like(value: Tensor, param: Tensor, ctx: ParallelContext) -> Tensor:
+    """A state tensor held the way ``param`` is, as its whole tensor-parallel shard
+    (collective over the data-parallel group under ZeRO)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    rows = get_zero_rows(param)
+    return value if rows is None else gather_rows(value, rows, ctx)
+
+
+def to_param_layout(value: Tensor, param: Tensor, ctx: ParallelContext) -> Tensor:
+    """A state tensor shaped like ``param``'s whole tensor-parallel shard, held the way
+    ``param`` is: its ZeRO rows (a DTensor of them at stage 3), or whole."""
+    rows = get_zero_rows(param)
+    if rows is None:
+        return value
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        lo, hi = owned_range(rows.rows, mesh.size(), mesh.get_local_rank())
+        mine = value[lo:hi].clone().to(local(param).device)
+        return DTensor.from_local(
+            mine, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return owned_like(value, rows, ctx).clone().to(param.device)
 
 
 def hyperparameters(optimizer) -> list[dict[str, Any]]:

@@ -50,11 +50,13 @@ from gridtrain.parallel.zero.partition import chunk_rows, owned_range, set_zero_
 logger = logging.getLogger("gridtrain")
 
 
-def mixed_precision(amp: AMP_TYPE | None) -> MixedPrecisionPolicy:
+def mixed_precision(amp: AMP_TYPE | None, root: bool = False) -> MixedPrecisionPolicy:
     """FSDP2's policy for a config's fp16 mode (the sharded parameters stay fp32)."""
     if amp is AMP_TYPE.NAIVE:  # the fp16 model of naive amp; its fp32 masters are the shards
-        return MixedPrecisionPolicy(
-            param_dtype=torch.float16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        return MixedPrecisionPolicy(  # and, as NaiveAmpModel, the model's output is fp32
+            param_dtype=torch.float16,
+            reduce_dtype=torch.float32,
+            output_dtype=torch.float32 if root else None,
         )
     if amp is AMP_TYPE.BF16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -102,7 +104,7 @@ class FsdpZero:
             self._shard(module, mp, policy, managed)
         for module in reversed(units(model)):  # innermost first, as FSDP2 wants
             self._shard(module, mp, policy, managed)
-        self._shard(model, mp, policy, managed, root=True)
+        self._shard(model, mixed_precision(amp, root=True), policy, managed, root=True)
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         new_of = {}
         for name, p in model.named_parameters():
