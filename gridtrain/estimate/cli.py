@@ -57,6 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--recompute", choices=("none", "full"), default="none",
                    help="activation recompute per block (what-if; gridtrain runs without)")  # fmt: skip
+    p.add_argument("--attention", choices=("flash", "math"), default="flash",
+                   help="fused SDPA kernels (default) or unfused attention keeping the scores")  # fmt: skip
     dev = p.add_argument_group("device overrides")
     dev.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s")
     dev.add_argument("--memory-gb", type=float, help="memory per device, GiB")
@@ -111,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             zero=args.zero,
             offload=args.offload or None,
             recompute=args.recompute,
+            attention=args.attention,
         )
         est = estimate(spec, sc, device)
     except (EstimateError, ModelError, DeviceError, ConfigError) as err:
@@ -133,6 +136,7 @@ def _search(args, cfg: Config, spec, device) -> int:
         clip=cfg.clip_grad_norm > 0,
         partition=cfg.parallel.pipeline.partition,
         recompute=args.recompute,
+        attention=args.attention,
     )
     options = SearchOptions(
         modes=tuple(None if m == "none" else m for m in args.modes.split(",")),

@@ -81,7 +81,8 @@ class Collective:
         return self.group.name if isinstance(self.group, PM) else self.group
 
     def scaled(self, calls: float) -> Collective:
-        return dataclasses.replace(self, calls=self.calls * calls)
+        return Collective(self.group, self.op, self.bytes, self.calls * calls, self.what,
+                          self.phase, self.counted)  # fmt: skip
 
 
 def all_reduce(n: int, elements: float) -> float:
@@ -296,6 +297,16 @@ def microbatch_collectives(
     spec: ModelSpec, geo: Geometry, sc: Scenario, stage: StageLayers, shards: TensorShards
 ) -> list[Collective]:
     """Tensor-parallel collectives of one micro-batch through ``stage`` (forward + backward)."""
+    key = (spec, geo, sc.amp, sc.ring, sc.micro_batch, stage.embed, stage.blocks, stage.head)
+    if key not in _MICRO:
+        _MICRO[key] = _microbatch(spec, geo, sc, stage, shards)
+    return _MICRO[key]
+
+
+_MICRO: dict[tuple, list[Collective]] = {}  # the same layers and shapes give the same list
+
+
+def _microbatch(spec, geo, sc, stage, shards) -> list[Collective]:
     tokens = sc.micro_batch * spec.seq_len
     entries = shards.plan.entries
     parts = []
@@ -329,7 +340,14 @@ def step_collectives(
 ) -> list[Collective]:
     """Every collective one rank of ``stage`` issues in one optimizer step (``sizes``: group ->
     ranks, for the groups the step touches outside the tensor group)."""
-    out = [c.scaled(sc.micro_batches) for c in microbatch_collectives(spec, geo, sc, stage, shards)]
+    micro = microbatch_collectives(spec, geo, sc, stage, shards)
+    out = [c.scaled(sc.micro_batches) for c in micro]
+    return out + step_only_collectives(spec, geo, sc, stage, shards, sizes)
+
+
+def step_only_collectives(spec, geo, sc: Scenario, stage: StageLayers, shards, sizes: dict):
+    """The collectives of a step that are not a micro-batch's tensor-parallel ones."""
+    out: list[Collective] = []
     nb = dtype_bytes(sc.amp)
     grad_bytes = stage.params(shards) * nb["w"]
     dp_group = PM.SEQUENCE_DP if sc.mode == "sequence" else PM.DATA

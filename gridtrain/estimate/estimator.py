@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from gridtrain.estimate.communication import Collective, step_collectives
+from gridtrain.estimate.communication import (
+    Collective,
+    microbatch_collectives,
+    step_only_collectives,
+)
 from gridtrain.estimate.devices import DeviceSpec, GiB
 from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.layout import TensorShards
@@ -36,7 +40,9 @@ class StageEstimate:
     params: int
     states: ModelStates
     activations: Activations
-    collectives: list[Collective]
+    micro_collectives: list[Collective]  # one micro-batch's (tensor groups)
+    step_collectives: list[Collective]  # once per step (data parallel, pipeline, flags)
+    micro_batches: int
     compute_s: float  # one micro-batch, forward + backward (+ recompute)
     tensor_comm_s: float  # per step, exposed
     p2p_s: float  # per step
@@ -47,6 +53,13 @@ class StageEstimate:
     @property
     def memory(self) -> float:
         return self.states.total + self.activations.in_flight
+
+    @property
+    def collectives(self) -> list[Collective]:
+        """Every collective of one step."""
+        return [
+            c.scaled(self.micro_batches) for c in self.micro_collectives
+        ] + self.step_collectives
 
     @property
     def micro_s(self) -> float:
@@ -123,12 +136,31 @@ def gemm_scale(spec: ModelSpec, geo: Geometry, sc: Scenario) -> float:
     """How far below its large-shape efficiency a rank's GEMMs run: ``n / (n + 128)`` for the
     smallest dimension ``n`` of a block's local matmuls (rows of the rank's tokens, its slices
     of the hidden and MLP widths); half speed at 128, 94 % at 2048."""
+    key = (spec, geo, sc.micro_batch)
+    if key in _SCALE:
+        return _SCALE[key]
     tokens = geo.tokens(sc.micro_batch * spec.seq_len) * geo.gather
     dims = [tokens]
     for width, role in ((spec.hidden, "column"), (spec.hidden, "row"), (spec.ffn_dim, "row")):
         dims += [geo.in_width(width, role), geo.out_width(width, role)]
     n = min(dims)
-    return n / (n + GEMM_HALF)
+    _SCALE[key] = n / (n + GEMM_HALF)
+    return _SCALE[key]
+
+
+_SCALE: dict[tuple, float] = {}
+
+
+def compute_bound(spec: ModelSpec, sc: Scenario, device: DeviceSpec, shards: TensorShards) -> float:
+    """A lower bound on the step time: the schedule's slots of matmul time alone (no
+    communication, no memory traffic, no optimizer); the search drops a layout whose
+    bound is slower than the results it already holds."""
+    geo = Geometry.of(sc.mode, sc.tensor, sc.depth)
+    peak = device.peak_for(sc.amp) * device.efficiency * gemm_scale(spec, geo, sc)
+    slot = max(_flops(spec, st, sc) for st in sc.stages(spec, shards)) / peak
+    if sc.pipeline > 1:
+        return sc.accumulation * (sc.pipeline_micro + (sc.pipeline - 1) / sc.chunks) * slot
+    return sc.micro_batches * slot
 
 
 def estimate(
@@ -152,7 +184,8 @@ def estimate(
             sum(b for _, b in block) if sc.recompute == "full" and layers.blocks else 0
         )
         acts = Activations(per_micro, held, n, block)
-        stages.append(StageEstimate(layers, params, states, acts, colls, compute, *times))
+        stages.append(StageEstimate(layers, params, states, acts, *colls, sc.micro_batches,
+                                    compute, *times))  # fmt: skip
     slot = max(s.compute_s + (s.tensor_comm_s + s.p2p_s) / sc.micro_batches for s in stages)
     if sc.pipeline > 1:
         schedule = sc.accumulation * (sc.pipeline_micro + (sc.pipeline - 1) / sc.chunks) * slot
@@ -169,7 +202,8 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     params = layers.params(shards)
     states = model_states(layers.shapes(shards), sc, layers.largest_layer(shards))
     acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
-    colls = step_collectives(spec, geo, sc, layers, shards, sizes)
+    micro = microbatch_collectives(spec, geo, sc, layers, shards)
+    steps = step_only_collectives(spec, geo, sc, layers, shards, sizes)
     traffic = TRAFFIC + (1 if sc.recompute == "full" else 0)
     touched = acts.per_microbatch  # bytes the kernels write and read: recompute rebuilds them
     if sc.recompute != "none":
@@ -179,7 +213,9 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     compute += traffic * touched / device.hbm_bw
     tensor_s = p2p_s = overlapped = prefetched = after = 0.0
     buckets = 0.0
-    for c in colls:
+    for c in micro:  # tensor groups, on the critical path of every micro-batch
+        tensor_s += collective_seconds(c, links, device) * sc.micro_batches
+    for c in steps:
         seconds = collective_seconds(c, links, device)
         if c.op == "send_recv":
             p2p_s += seconds
@@ -201,4 +237,4 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     offload = (params * nb["w"] * 2) / device.pcie if sc.offload else 0.0
     tail = exposed_dp + opt_bytes / device.hbm_bw + after + offload
     times = (tensor_s, p2p_s, overlapped, exposed_dp, tail)
-    return params, states, acts.per_microbatch, acts.block, colls, compute, times
+    return params, states, acts.per_microbatch, acts.block, (micro, steps), compute, times

@@ -94,17 +94,17 @@ class LayerShards:
     dense: dict[str, tuple[int, ...]]  # parameter path -> dense shape
     tied: frozenset[str]  # parameter paths that are another layer's weight (counted there)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Parameters this layer holds on the rank (its own; tied ones once, by their owner)."""
         return sum(math.prod(s) for p, s in self.local.items() if p not in self.tied)
 
-    @property
+    @functools.cached_property
     def numel_with_ties(self) -> int:
         """What the layer holds when it sits on a stage of its own (a tied copy included)."""
         return sum(math.prod(s) for s in self.local.values())
 
-    @property
+    @functools.cached_property
     def tensors(self) -> int:
         return len(self.local) - len(self.tied)
 

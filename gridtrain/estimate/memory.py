@@ -19,7 +19,9 @@ weight), q/k/v, attention (SDPA keeps its output and log-sum-exp; ring
 attention 'standard' keeps ``s/N x S`` probabilities, 'online' its fp32 output),
 the projection input (a copy: heads are transposed back), the MLP's activation
 input and output, dropout masks. With the same op list, no flash attention and
-dropout, it gives their ``34 sbh + 5 a s^2 b`` per layer (fp16, no parallelism).
+dropout (``attention="math"``: the scores kept, dropped out) it gives their
+``34 sbh + 5 a s^2 b`` per layer (fp16, no parallelism) and ``sbh (10 + 24/t + 5as/(ht))``
+under 1d (tests/test_estimate.py).
 Autocast keeps a bf16 copy of every weight a plain ``F.linear`` uses (none, 1d,
 sequence) per micro-batch. ``recompute="full"`` keeps only each block's input and
 rebuilds one block at a time.
@@ -191,6 +193,15 @@ def _attention(spec, geo: Geometry, sc: Scenario, t: float, heads: float, nb) ->
         if nb["e"] != 4:
             items.append(("probabilities (compute dtype)", probs * nb["e"]))
         return items
+    if sc.attention == "math":  # unfused: scores kept (and dropped out, with dropout)
+        scores = t * heads * spec.seq_len
+        items = [("attention probabilities", scores * nb["e"])]
+        if spec.dropout:
+            items += [
+                ("attention dropout mask", scores),
+                ("dropped probabilities", scores * nb["e"]),
+            ]
+        return items
     width = spec.hidden / (geo.size if geo.mode == "1d" else geo.hidden_parts)
     return [("attention output", t * width * nb["e"]), ("attention lse", t * heads * 4)]
 
@@ -267,6 +278,9 @@ def in_flight(sc: Scenario, stage: int) -> float:
     return chunks / v
 
 
+_ITEMS: dict[tuple, tuple] = {}
+
+
 def stage_activations(
     spec: ModelSpec,
     geo: Geometry,
@@ -277,13 +291,14 @@ def stage_activations(
 ) -> Activations:
     """``fused_norm``: the device runs RMSNorm fused (GPUs) rather than torch's composite (CPU)."""
     tokens = sc.micro_batch * spec.seq_len
-    block = block_items(spec, geo, sc, tokens, shards.block, fused_norm)
-    block_bytes = sum(b for _, b in block)
-    other = 0.0
-    if stage.embed:
-        other += sum(b for _, b in embed_items(spec, geo, sc, tokens))
-    if stage.head:
-        other += sum(b for _, b in head_items(spec, geo, sc, tokens, shards.head, fused_norm))
+    key = (spec, geo, sc.amp, sc.ring, sc.attention, tokens, fused_norm)
+    if key not in _ITEMS:  # the inventory depends on these alone (shards: spec and geometry)
+        block = block_items(spec, geo, sc, tokens, shards.block, fused_norm)
+        embed = sum(b for _, b in embed_items(spec, geo, sc, tokens))
+        head = sum(b for _, b in head_items(spec, geo, sc, tokens, shards.head, fused_norm))
+        _ITEMS[key] = (block, sum(b for _, b in block), embed, head)
+    block, block_bytes, embed, head = _ITEMS[key]
+    other = (embed if stage.embed else 0.0) + (head if stage.head else 0.0)
     nb = dtype_bytes(sc.amp)
     if sc.recompute == "full":  # each block keeps its input; one block is rebuilt at a time
         kept = geo.tokens(tokens) * spec.hidden / geo.hidden_parts * nb["r"]

@@ -144,6 +144,8 @@ def _communication(e: Estimate) -> list[str]:
         f"  {'group':<26} {'ranks':>5} {'link':<7} {'collective':<15} {'calls':>7} "
         f"{'bytes sent':>11} {'time':>9}  issued by",
     ]
+    if not w.collectives:
+        out.append("  (none: one rank)")
     for group, op, total, calls, sources in aggregate(w.collectives):
         link = _link(e, group)
         srcs = ", ".join(sources[:3]) + (", ..." if len(sources) > 3 else "")
@@ -199,7 +201,7 @@ def _timing(e: Estimate) -> list[str]:
 
 def does_not_fit(e: Estimate) -> str:
     w = e.worst
-    where = f"stage {w.layers.stage}" if e.scenario.pipeline > 1 else "each rank"
+    where = f"stage {w.layers.stage}" if e.scenario.pipeline > 1 else "every rank"
     biggest = max(
         (("activations", w.activations.in_flight), ("model states", w.states.total)),
         key=lambda x: x[1],

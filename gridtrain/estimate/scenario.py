@@ -48,6 +48,7 @@ class Scenario:
     ring: str = "standard"
     partition: str = "uniform"
     clip: bool = False
+    attention: str = "flash"  # SDPA's fused kernels; "math" keeps the s x s scores (what-if)
 
     @property
     def data(self) -> int:
@@ -109,6 +110,7 @@ class Scenario:
         zero: int | None = None,
         offload: bool | None = None,
         recompute: str = "none",
+        attention: str = "flash",
     ) -> Scenario:
         """The scenario ``cfg`` describes at ``world`` ranks; the batch from ``global_batch``
         (else the config's ``GLOBAL_BATCH_SIZE``), else ``micro_batch`` (default 1)."""
@@ -157,6 +159,7 @@ class Scenario:
             ring=tc.ring_attention,
             partition=cfg.parallel.pipeline.partition,
             clip=cfg.clip_grad_norm > 0,
+            attention=attention,
         )
 
     # ---- what must divide ----------------------------------------------------------------
@@ -168,6 +171,8 @@ class Scenario:
             raise EstimateError(f"zero stage must be 0, 1, 2 or 3, got {self.zero}")
         if self.offload and not self.zero:
             raise EstimateError("zero offload needs a ZeRO stage (1, 2 or 3)")
+        if self.attention not in ("flash", "math"):
+            raise EstimateError(f"attention must be 'flash' or 'math', got {self.attention!r}")
         if self.recompute not in ("none", "full"):
             raise EstimateError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
         heads_split, what = _heads_split(mode, t, self.depth)
@@ -230,6 +235,13 @@ class StageLayers:
 
     def shapes(self, shards: TensorShards) -> list[tuple[tuple[int, ...], int]]:
         """(local shape, how many) of every parameter tensor this stage holds."""
+        key = (id(shards), self.embed, self.blocks, self.head)
+        hit = _SHAPES.get(key)
+        if hit is None or hit[0] is not shards:
+            hit = _SHAPES[key] = (shards, self._shapes(shards))
+        return hit[1]
+
+    def _shapes(self, shards: TensorShards) -> list[tuple[tuple[int, ...], int]]:
         out = [(shape, self.blocks) for shape in shards.block.local.values()] if self.blocks else []
         if self.embed:
             out += [(shape, 1) for shape in shards.embed.local.values()]
@@ -261,6 +273,7 @@ def _stages(spec, shards, pipeline, chunks, method) -> list[StageLayers]:
 
 
 _STAGE_CACHE: dict[tuple, tuple[StageLayers, ...]] = {}
+_SHAPES: dict[tuple, tuple] = {}  # keeps the shards alive, so their id stays theirs
 
 
 def _stages_cached(spec, embed, block, head, pipeline, chunks, method) -> tuple[StageLayers, ...]:

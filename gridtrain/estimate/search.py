@@ -14,18 +14,19 @@ Pruned, cheapest test first, so that 4096 GPUs take seconds:
 3. model states alone against the device's memory; a ZeRO stage is tried only when
    the one below it cannot hold the largest micro-batch;
 4. activations per micro-batch size (largest first) before any time is estimated;
-5. micro-batches are tried from the largest that fits downwards and dropped
-   once throughput has fallen twice in a row.
+5. best first: candidates are estimated in the order of a lower bound on their
+   step time (their matmuls alone), until the bound cannot beat the top results.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 
 from gridtrain.estimate.devices import DeviceSpec
-from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, estimate
+from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, compute_bound, estimate
 from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.memory import in_flight, model_states, stage_activations
 from gridtrain.estimate.models import ModelSpec
@@ -51,12 +52,23 @@ class SearchResult:
     ranked: list[Estimate]
     considered: int = 0
     estimated: int = 0
+    pruned: int = 0  # fit, but even their compute alone is slower than the top ``top`` found
     rejected: dict[str, int] = dataclasses.field(default_factory=dict)
+    best: list[float] = dataclasses.field(default_factory=list)  # min-heap of the top speeds
     seconds: float = 0.0
     top: int = 10
 
     def reject(self, why: str) -> None:
         self.rejected[why] = self.rejected.get(why, 0) + 1
+
+    def keep(self, tokens_per_s: float) -> None:
+        heapq.heappush(self.best, tokens_per_s)
+        if len(self.best) > self.top:
+            heapq.heappop(self.best)
+
+    def beaten(self, tokens_per_s: float) -> bool:
+        """Whether ``top`` results already found are faster than ``tokens_per_s``."""
+        return len(self.best) >= self.top and tokens_per_s <= self.best[0]
 
 
 def divisors(n: int) -> list[int]:
@@ -117,25 +129,42 @@ def search(
     options: SearchOptions = SearchOptions(),
 ) -> SearchResult:
     """Rank the layouts of ``world`` ranks that fit (``base`` gives precision, recompute,
-    partition and clipping)."""
+    partition and clipping).
+
+    Best first: every candidate that fits in memory gets a lower bound on its step time
+    (``estimator.compute_bound``: its matmuls alone); candidates are estimated fastest
+    bound first, and the search stops once the next bound cannot beat the ``top``
+    estimates already made, so the top ``top`` are the true best of the model's estimates.
+    """
     start = time.perf_counter()
     result = SearchResult(spec, device, world, global_batch, [], top=options.top)
-    found: list[Estimate] = []
+    candidates: list[tuple[float, int, Scenario, object]] = []
     for p in divisors(world):
         if p > spec.layers + 2:
             continue
         for mode, t, depth in tensor_layouts(world // p, spec, options.modes):
             result.considered += 1
-            found += _layout(
-                spec, device, world, global_batch, base, options, p, mode, t, depth, result
-            )
+            candidates += _candidates(spec, device, world, global_batch, base, options,
+                                      p, mode, t, depth, result)  # fmt: skip
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    tokens = global_batch * spec.seq_len
+    found: list[Estimate] = []
+    for i, (bound, _, sc, shards) in enumerate(candidates):
+        if result.beaten(tokens / bound):
+            result.pruned = len(candidates) - i
+            break
+        result.estimated += 1
+        est = estimate(spec, sc, device, shards)
+        result.keep(est.tokens_per_s)
+        found.append(est)
     found.sort(key=lambda e: -e.tokens_per_s)
     result.ranked = found
     result.seconds = time.perf_counter() - start
     return result
 
 
-def _layout(spec, device, world, batch, base, options, p, mode, t, depth, result) -> list[Estimate]:
+def _candidates(spec, device, world, batch, base, options, p, mode, t, depth, result) -> list:
+    """(step-time bound, order, scenario, shards) of every variant of one layout that fits."""
     data = world // (p * t)
     if batch % data:
         result.reject("global batch does not split over the data ranks")
@@ -157,7 +186,7 @@ def _layout(spec, device, world, batch, base, options, p, mode, t, depth, result
         result.reject("the tensor plan does not fit the model")
         return []
     geo = Geometry.of(mode, t, depth)
-    out: list[Estimate] = []
+    out: list = []
     for zero in options.zero_stages:
         if zero and probe.zero_group == 1:
             break
@@ -173,42 +202,22 @@ def _layout(spec, device, world, batch, base, options, p, mode, t, depth, result
         for v in options.chunks:
             if v > 1 and (p == 1 or spec.layers + 2 < p * v):
                 continue
-            got, largest_fits = _micro_batches(
-                spec, device, sc0, shards, geo, micro, per_dp, v, result
-            )
-            out += got
-            roomy = roomy or largest_fits
+            for b in sorted(micro, reverse=True):
+                m = per_dp // b
+                if v > 1 and m % p:
+                    continue
+                sc = dataclasses.replace(
+                    sc0, micro_batch=b, chunks=v, pipeline_micro=m if p > 1 else 1,
+                    accumulation=1 if p > 1 else m,
+                )  # fmt: skip
+                if _memory(spec, sc, device, shards, geo) > device.memory:
+                    result.reject("activations exceed the device memory")
+                    continue
+                roomy = roomy or b == micro[-1]
+                out.append((compute_bound(spec, sc, device, shards), len(out), sc, shards))
         if roomy:  # the largest micro-batch fits already: more ZeRO only adds communication
             break
     return out
-
-
-def _micro_batches(spec, device, sc0, shards, geo, micro, per_dp, v, result):
-    got: list[Estimate] = []
-    best, falls, largest_fits = 0.0, 0, False
-    for b in sorted(micro, reverse=True):
-        m = per_dp // b
-        p = sc0.pipeline
-        if v > 1 and m % p:
-            continue
-        sc = dataclasses.replace(
-            sc0, micro_batch=b, chunks=v, pipeline_micro=m if p > 1 else 1,
-            accumulation=1 if p > 1 else m,
-        )  # fmt: skip
-        if _memory(spec, sc, device, shards, geo) > device.memory:
-            result.reject("activations exceed the device memory")
-            continue
-        largest_fits = largest_fits or b == max(micro)
-        result.estimated += 1
-        est = estimate(spec, sc, device, shards)
-        got.append(est)
-        if est.tokens_per_s < best:
-            falls += 1
-            if falls >= 2:
-                break
-        else:
-            best, falls = est.tokens_per_s, 0
-    return got, largest_fits
 
 
 def format_search(r: SearchResult) -> str:
@@ -216,8 +225,8 @@ def format_search(r: SearchResult) -> str:
     head = (
         f"search: {r.spec.name} on {r.world} x {r.device.name}, global batch {r.global_batch} x "
         f"{r.spec.seq_len} = {tokens:,} tokens per step\n"
-        f"  {r.considered} pipeline x tensor layouts, {r.estimated} estimated, {len(r.ranked)} fit "
-        f"({r.seconds:.2f} s)"
+        f"  {r.considered} pipeline x tensor layouts, {r.estimated} estimated, {len(r.ranked)} fit, "
+        f"{r.pruned} pruned (their compute alone is slower than the top {r.top}) ({r.seconds:.2f} s)"
     )
     if r.rejected:
         head += "\n  rejected: " + "; ".join(f"{n} {why}" for why, n in sorted(r.rejected.items()))

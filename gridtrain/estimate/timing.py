@@ -54,34 +54,40 @@ class Link:
     internode: bool
 
 
-@functools.lru_cache(maxsize=512)
-def _links(p: int, t: int, mode: str | None, depth: int, replicas: int, data: int, gpn: int):
+@functools.lru_cache(maxsize=1024)
+def _links(p: int, t: int, mode: str | None, depth: int, replicas: int, gpn: int):
+    """Which groups of a layout cut to ``p`` stages and ``replicas`` data replicas span nodes."""
     tensor: dict = {"size": t, "mode": mode}
     if mode == "2.5d":
         tensor["depth"] = depth
     cfg = Config.from_dict({"parallel": {"pipeline": p, "tensor": tensor}})
     groups = build_groups(cfg, p * t * replicas)
-    out: dict = {}
-    for mode_, parts in groups.items():
-        inter = any(min(g) // gpn != max(g) // gpn for g in parts)
-        out[mode_] = Link(len(parts[0]), inter)
-    scale = data // replicas  # the data axis was cut to ``replicas``: restore the true sizes
-    for mode_ in (PM.DATA, PM.EXPERT_DATA, PM.GLOBAL, PM.SEQUENCE_DP):
-        if mode_ in out:
-            out[mode_] = Link(out[mode_].size * scale, out[mode_].internode)
-    pipe = [g for g in groups[PM.PIPELINE]]
-    out[FIRST_LAST] = Link(2 if p > 1 else 1, any(g[0] // gpn != g[-1] // gpn for g in pipe))
+    out = {m: (len(parts[0]), any(min(g) // gpn != max(g) // gpn for g in parts))
+           for m, parts in groups.items()}  # fmt: skip
+    out[FIRST_LAST] = (2, any(g[0] // gpn != g[-1] // gpn for g in groups[PM.PIPELINE]))
     return out
 
 
 def group_links(sc: Scenario, gpus_per_node: int) -> dict:
-    """Group -> ``Link(size, internode)`` for every group of the layout."""
-    span = sc.pipeline * sc.tensor
-    replicas = min(sc.data, 2 * math.ceil(gpus_per_node / span) + 1)
-    while sc.data % replicas:  # keep the cut a divisor, so the sizes scale back exactly
-        replicas += 1
+    """Group -> ``Link(size, internode)`` for every group of the layout.
+
+    ``topology.build_groups`` runs on the layout cut to as few pipeline stages and data
+    replicas as still show every kind of node boundary the full world has (a group
+    spans nodes in the cut iff it does in the full world: its stride pattern is the
+    same and it reaches at least one node further than it would need to); sizes
+    are the full layout's.
+    """
+    gpn = gpus_per_node
+    p = min(sc.pipeline, 2 * math.ceil(gpn / sc.tensor) + 1)
+    replicas = min(sc.data, 2 * math.ceil(gpn / (p * sc.tensor)) + 1)
     depth = sc.depth if sc.mode == "2.5d" else 1
-    return _links(sc.pipeline, sc.tensor, sc.mode, depth, replicas, sc.data, gpus_per_node)
+    cut = _links(p, sc.tensor, sc.mode, depth, replicas, gpn)
+    full = {
+        PM.DATA: sc.data, PM.PIPELINE: sc.pipeline, PM.MODEL: sc.pipeline * sc.tensor,
+        PM.GLOBAL: sc.world, PM.SEQUENCE_DP: sc.data * sc.tensor,
+        FIRST_LAST: 2 if sc.pipeline > 1 else 1,
+    }  # fmt: skip
+    return {m: Link(full.get(m, size), inter) for m, (size, inter) in cut.items()}
 
 
 def collective_seconds(c: Collective, links: dict, device: DeviceSpec) -> float:

@@ -1,0 +1,233 @@
+"""``gridtrain estimate`` on its own: the formulas against the papers they come from, the model
+presets and Hugging Face configs, the command line (reports, clear failures), the search's speed.
+
+The comparison with the engine itself (8 gloo ranks, every mode) is ``test_estimate_engine.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from gridtrain.config import Config
+from gridtrain.estimate import (
+    LayoutContext,
+    Scenario,
+    SearchOptions,
+    estimate,
+    get_device,
+    get_model,
+    search,
+    tensor_shards,
+)
+from gridtrain.estimate import cli as estimate_cli
+from gridtrain.estimate.geometry import Geometry
+from gridtrain.estimate.layout import tensor_config
+from gridtrain.estimate.memory import block_items, in_flight
+from gridtrain.estimate.models import ModelSpec, from_hf_config
+from gridtrain.parallel.mode import ParallelMode as PM
+
+
+# ---- the formulas against their papers -------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_activations_reproduce_korthikanti(t):
+    """Korthikanti et al. 2022 (Eq. 1-2): a GPT-3 175B layer keeps ``sbh (10 + 24/t + 5as/ht)``
+    bytes in fp16 with dropout and unfused attention under Megatron's tensor parallelism
+    (``34 sbh + 5 a s^2 b`` at t = 1). The op-by-op inventory adds only the norms' statistics
+    (8 bytes per token and norm), hence the 1e-4."""
+    spec = ModelSpec("k", 1, 12288, 96, 51200, 2048, positions=2048, dropout=0.1)
+    mode = "1d" if t > 1 else None
+    sc = Scenario(world=t, tensor=t, mode=mode, amp="naive", attention="math")
+    items = block_items(
+        spec, Geometry.of(mode, t), sc, 2048, tensor_shards(spec, mode, t).block, True
+    )
+    s, b, h, a = 2048, 1, 12288, 96
+    assert sum(x for _, x in items) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "stage, per_param",
+    [(0, 16), (1, 4 + 12 / 64), (2, 2 + 16 / 64), (3, 16 / 64)],
+)
+def test_model_states_reproduce_the_zero_paper(stage, per_param):
+    """Rajbhandari et al. 2020 (Fig. 1, K = 12): mixed-precision Adam holds 2 + 2 + K bytes per
+    parameter, stage 1 ``4 + K/Nd``, stage 2 ``2 + (2 + K)/Nd``, stage 3 ``16/Nd``. Their K
+    counts fp32 masters and moments; the fp32 master gradients naive fp16 makes at the step
+    and the per-tensor ``step`` counters are left out, as the paper does, except at stage 2:
+    there gridtrain keeps the reduce-scattered gradient rows in fp32 (the masters' gradients)
+    where the paper keeps them in fp16, so ``2 + 16/Nd``. Row padding costs < 1 %."""
+    spec = get_model("gpt3-6.7b")
+    cfg = Config.from_dict(
+        {"fp16": {"mode": "naive"}, "zero": stage} if stage else {"fp16": {"mode": "naive"}}
+    )
+    sc = Scenario.from_config(cfg, 64)
+    st = estimate(spec, sc, get_device("a100-80g")).stages[0].states
+    paper = st.weights + st.grads + st.master_weights + st.moments
+    paper += st.master_grads if stage == 2 else 0
+    assert paper == pytest.approx(per_param * spec.num_params(), rel=0.01)
+
+
+def test_pipeline_in_flight_follows_the_schedules():
+    """1F1B keeps ``min(P - stage, m)`` micro-batches (warm-up + 1, ``one_f_one_b.py``);
+    interleaved ``min(2 (P - s - 1) + (v - 1) P + 1, m v)`` chunks (``interleaved.py``)."""
+    one = Scenario(world=8, pipeline=4, pipeline_micro=8)
+    assert [in_flight(one, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(Scenario(world=8, pipeline=4, pipeline_micro=2), s) for s in range(4)] == [
+        2,
+        2,
+        2,
+        1,
+    ]
+    inter = Scenario(world=8, pipeline=4, pipeline_micro=8, chunks=2)
+    assert [in_flight(inter, s) * 2 for s in range(4)] == [11, 9, 7, 5]
+    assert in_flight(Scenario(world=8, pipeline=4, pipeline_micro=4, chunks=2), 3) == 4  # m == P
+
+
+# ---- models, devices, the layout context ----------------------------------------------------
+def test_presets_have_their_published_sizes():
+    assert get_model("gpt2-124m").num_params() == pytest.approx(124.5e6, rel=1e-3)  # vocab 50304
+    assert get_model("llama-7b").num_params() == pytest.approx(6.74e9, rel=1e-3)
+    assert get_model("llama-70b").num_params() == pytest.approx(68.98e9, rel=1e-3)
+    assert get_model("gpt3-175b").num_params() == pytest.approx(174.6e9, rel=1e-3)  # Megatron's
+
+
+def test_hugging_face_config_json(tmp_path):
+    llama = {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "max_position_embeddings": 8192, "hidden_act": "silu",
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    spec = get_model(str(tmp_path))  # a directory holding config.json works too
+    assert (spec.layers, spec.hidden, spec.num_kv_heads, spec.ffn_dim) == (32, 4096, 8, 14336)
+    assert spec.gated and spec.norm == "rms" and not spec.tied and not spec.bias
+    assert spec.num_params() == pytest.approx(8.03e9, rel=1e-3)  # Llama 3 8B
+    gpt2 = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+            "n_positions": 1024, "activation_function": "gelu_new"}  # fmt: skip
+    (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
+    spec = from_hf_config(tmp_path / "gpt2.json")
+    assert spec.tied and spec.positions == 1024 and not spec.gated
+    assert spec.num_params() == 124_439_808  # GPT-2 small, as Hugging Face counts it
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "x", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="no layers"):
+        from_hf_config(tmp_path / "bad.json")
+
+
+def test_layout_context_of_thousands_of_ranks():
+    """One rank of a 4096-rank world, from topology's lists, no process: what layers ask."""
+    cfg = Config.from_dict({"parallel": {"pipeline": 8, "tensor": {"size": 64, "mode": "3d"}}})
+    ctx = LayoutContext(cfg, 4096, rank=4095)
+    assert ctx.world_size(PM.DATA) == 8 and ctx.world_size(PM.PARALLEL_3D_INPUT) == 4
+    assert ctx.local_rank(PM.PIPELINE) == 7 and ctx.ranks(PM.TENSOR)[-1] == 4095
+    with pytest.raises(RuntimeError, match="no process groups"):
+        ctx.group(PM.DATA)
+    shards = tensor_shards(get_model("llama-70b"), "3d", 64)
+    qkv = shards.block.local["h0.attn.qkv.weight"]
+    assert qkv == (get_model("llama-70b").qkv_out // 16, 8192 // 4)  # [out/d^2, in/d]
+    assert LayoutContext(tensor_config("2d", 16), 16).world_size(PM.PARALLEL_2D_ROW) == 4
+
+
+# ---- the command line -------------------------------------------------------------------
+def _run(argv, capsys):
+    parser = argparse.ArgumentParser()
+    estimate_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["estimate", *argv])
+    code = args.handler(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _config(tmp_path, text: str) -> str:
+    path = tmp_path / "config.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_cli_prints_memory_communication_and_time(tmp_path, capsys):
+    cfg = _config(
+        tmp_path,
+        "parallel = dict(pipeline=8, tensor=dict(size=8, mode='1d'))\nnum_microbatches = 32\n"
+        "fp16 = dict(mode='bf16')\nzero = dict(stage=1)\n",
+    )
+    code, out, _ = _run(["--config", cfg, "--model", "llama-70b", "--world-size", "1024",
+                         "--gpu", "h100-80g", "--global-batch", "512", "--recompute", "full"],
+                        capsys)  # fmt: skip
+    assert code == 0, out
+    for text in ("memory per rank", "optimizer states", "ZeRO-1 over 16", "in flight (1F1B)",
+                 "communication per step", "PARALLEL_1D", "all_reduce", "NVLink", "network",
+                 "pipeline bubble", "MFU", "fits"):  # fmt: skip
+        assert text in out, text
+    code, out, _ = _run(["--config", cfg, "--model", "llama-70b", "--world-size", "1024",
+                         "--global-batch", "512", "--recompute", "full", "--json"], capsys)  # fmt: skip
+    data = json.loads(out)
+    assert data["fits"] and data["layout"]["zero"] == {"stage": 1} and data["mfu"] > 0
+
+
+def test_cli_names_the_group_and_the_divisor(tmp_path, capsys):
+    cfg = _config(tmp_path, "parallel = dict(tensor=dict(size=8, mode='1d'))\n")
+    code, _, err = _run(["--config", cfg, "--model", "gpt2-1.5b", "--world-size", "64"], capsys)
+    assert code == 2 and "25 attention heads do not split over PARALLEL_1D (8 ranks): 25 % 8" in err
+    code, _, err = _run(["--config", cfg, "--model", "gpt2-124m", "--world-size", "12"], capsys)
+    assert code == 2 and "world size 12 is not divisible by pipeline 1 x tensor 8" in err
+    cfg = _config(tmp_path, "parallel = dict(tensor=dict(size=8, mode='3d'))\n")
+    code, _, err = _run(["--config", cfg, "--model", "gpt2-124m", "--world-size", "8",
+                         "--micro-batch", "2"], capsys)  # fmt: skip
+    assert code == 2 and "d*d = 4 batch blocks of the cube: micro-batch 2 % 4 != 0" in err
+    code, _, err = _run(["--model", "gpt5", "--world-size", "8"], capsys)
+    assert code == 2 and "unknown model 'gpt5'" in err
+
+
+def test_cli_says_by_how_much_it_does_not_fit(capsys):
+    code, out, _ = _run(["--model", "llama-70b", "--world-size", "8", "--gpu", "h100-80g"], capsys)
+    assert code == 1
+    assert "DOES NOT FIT" in out and "does not fit: every rank needs" in out and "over by" in out
+
+
+def test_device_overrides(capsys):
+    code, out, _ = _run(["--model", "gpt2-124m", "--world-size", "1", "--gpu", "h200-141g",
+                         "--peak-tflops", "500", "--memory-gb", "20", "--global-batch", "8"],
+                        capsys)  # fmt: skip
+    assert code == 0 and "500 TFLOP/s" not in out  # fp32 run: the fp32 peak is shown
+    assert "of 20.00 GiB: fits" in out and "(none: one rank)" in out
+
+
+# ---- the search ---------------------------------------------------------------------------
+def test_search_4096_gpus_under_5_seconds():
+    spec, device = get_model("gpt3-175b"), get_device("h100-80g")
+    base = Scenario(world=4096, amp="bf16", recompute="full")
+    result = search(spec, device, 4096, 2048, base, SearchOptions())
+    assert result.seconds < 5.0, result.seconds
+    assert result.considered > 100 and result.ranked
+    speeds = [e.tokens_per_s for e in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(e.fits and e.scenario.global_batch == 2048 for e in result.ranked)
+    modes = {e.scenario.mode for e in result.ranked}
+    assert {"1d", "2d", "3d"} <= modes  # every mode was weighed
+
+
+def test_search_command(capsys):
+    code, out, _ = _run(["--model", "gpt2-350m", "--world-size", "64", "--gpu", "a100-80g",
+                         "--global-batch", "256", "--search", "--top", "3"], capsys)  # fmt: skip
+    assert code == 0
+    assert "the best as a config:" in out and "GLOBAL_BATCH_SIZE = 256" in out
+    best = out.split("the best as a config:")[1]
+    assert "parallel = dict(" in best
+    code, out, _ = _run(["--model", "llama-70b", "--world-size", "8", "--global-batch", "8",
+                         "--search"], capsys)  # fmt: skip
+    assert code == 1 and "no layout fits" in out
+
+
+def test_search_matches_a_direct_estimate():
+    """The search's numbers for a layout are the plain estimate's."""
+    spec, device = get_model("gpt2-350m"), get_device("a100-80g")
+    result = search(spec, device, 64, 256, Scenario(world=64), SearchOptions(top=1))
+    best = result.ranked[0]
+    again = estimate(spec, best.scenario, device)
+    assert again.step_s == best.step_s and again.memory == best.memory
+    assert math.isclose(again.mfu, best.mfu)
