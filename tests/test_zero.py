@@ -114,6 +114,12 @@ LAYOUTS = {
     "dp4-stage3": (4, dict(zero=dict(stage=3)), 0.0),
     "dp4-stage3-offload": (4, dict(zero=dict(stage=3, offload=True)), 0.0),
     "dp2-1d2-stage2": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=2), 0.0),
+    "1d2-stage1 (a data group of one)": (
+        2,
+        dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=1),
+        0.0,
+    ),
+    "dp2-2d4-stage2": (8, dict(parallel=dict(tensor=dict(size=4, mode="2d")), zero=2), 0.0),
     "dp2-1d2-stage3": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=3), 0.0),
     "dp2-pp2-stage1": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=1), 0.0),
     "dp2-pp2-stage2": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=2), 0.0),
@@ -174,3 +180,43 @@ def test_naive_fp16_stage2_skips_an_injected_overflow_on_every_rank():
         assert losses == pytest.approx(plain[rank][0], rel=1e-6)
         for k, v in plain[rank][1].items():
             torch.testing.assert_close(final[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _reduce_scatters_per_micro_step(ctx, batches, accumulation):
+    """Reduce-scatters issued after each micro-step of one window (and after its step)."""
+    import torch.distributed as dist
+
+    from gridtrain.parallel.zero import partitioned
+
+    calls = []
+    originals = (partitioned.reduce_scatter_single, dist.reduce_scatter_single)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return originals[1](*args, **kwargs)
+
+    partitioned.reduce_scatter_single = dist.reduce_scatter_single = counting
+    try:
+        model = _model()
+        engine, *_ = gt.initialize(model, _adamw(model), lm_loss)
+        x, y = dp_rows(batches[0][0], ctx), dp_rows(batches[0][1], ctx)
+        seen = []
+        engine.zero_grad()
+        for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            engine.backward(engine.criterion(engine(xm), ym))
+            seen.append(len(calls))
+        engine.step()
+        seen.append(len(calls))
+        return seen
+    finally:
+        partitioned.reduce_scatter_single, dist.reduce_scatter_single = originals
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulation_communicates_only_in_the_last_micro_step(stage):
+    batches = tiny_batches(1, BATCH, SEQ, VOCAB)
+    config = dict(zero=stage, gradient_accumulation=2)
+    for seen in run_distributed(
+        _reduce_scatters_per_micro_step, 4, batches, 2, config=config, timeout=300
+    ):
+        assert seen[0] == 0 and seen[-1] > 0, seen

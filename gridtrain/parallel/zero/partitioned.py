@@ -122,15 +122,15 @@ class RowBucket:
         return [s.param for s in self.shards]
 
     def _collective(self, fn, out: Tensor, inp: Tensor, async_op: bool):
-        if self.n == 1:
-            out.copy_(inp)
-            return None
         return fn(out, inp, group=self.group, async_op=async_op)
 
     # ---- gradients: reduce-scatter ------------------------------------------------------
     @torch.no_grad()
     def launch(self, async_op: bool = True) -> None:
         """Lay every gradient out rank by rank (pre-divided by ``n``) and reduce-scatter it."""
+        if self.n == 1:  # a group of one: the masters take the gradients as they are
+            self.buffer = self._send = torch.empty(0)
+            return
         first = self.shards[0].param
         grad_dtype = first.grad.dtype if first.grad is not None else first.dtype
         send = torch.zeros(self.n * self.segment, dtype=grad_dtype, device=first.device)
@@ -155,13 +155,27 @@ class RowBucket:
         if self.work is not None:
             self.work.wait()
         for s, off in zip(self.shards, self.offsets):
-            g = self.buffer[off : off + (s.hi - s.lo) * s.row_numel].view(s.master.shape)
+            if self.n == 1:
+                g = s.param.grad
+                if self.free_grads:
+                    s.param.grad = None
+                if g is None:
+                    s.master.grad = None
+                    continue
+                g = g.view(s.master.shape)
+            else:
+                g = self.buffer[off : off + (s.hi - s.lo) * s.row_numel].view(s.master.shape)
             s.master.grad = g.to(device=s.master.device, dtype=s.master.dtype)
         self.buffer, self.work, self._send = None, None, None
 
     # ---- parameters: all-gather ---------------------------------------------------------
     @torch.no_grad()
     def launch_gather(self) -> None:
+        if self.n == 1:  # a group of one: only copied masters need writing back
+            for s in self.shards:
+                if not s.is_view:
+                    s.param.data.copy_(s.master.view(s.param.shape))
+            return
         first = self.shards[0].param
         send = torch.zeros(self.segment, dtype=first.dtype, device=first.device)
         for s, off in zip(self.shards, self.offsets):
@@ -172,6 +186,8 @@ class RowBucket:
 
     @torch.no_grad()
     def finish_gather(self) -> None:
+        if self.n == 1:
+            return
         if self._gather_work is not None:
             self._gather_work.wait()
         rank_major = self._gathered.view(self.n, self.segment)
