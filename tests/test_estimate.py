@@ -199,16 +199,20 @@ def test_device_overrides(capsys):
 
 # ---- the search ---------------------------------------------------------------------------
 def test_search_4096_gpus_under_5_seconds():
+    """Every layout of 4096 GPUs for GPT-3 175B (bf16, full recompute), ranked. Timed in this
+    process's CPU seconds: the test machine's two cores are shared with other suites, so
+    wall time measures them too (alone it takes about 2 s)."""
     spec, device = get_model("gpt3-175b"), get_device("h100-80g")
     base = Scenario(world=4096, amp="bf16", recompute="full")
     result = search(spec, device, 4096, 2048, base, SearchOptions())
-    assert result.seconds < 5.0, result.seconds
-    assert result.considered > 100 and result.ranked
+    assert result.cpu_seconds < 5.0, (result.cpu_seconds, result.seconds)
+    assert result.considered > 200 and len(result.ranked) >= 10
+    assert {None, "1d", "2d", "2.5d", "3d", "sequence"} <= result.modes  # all weighed
     speeds = [e.tokens_per_s for e in result.ranked]
     assert speeds == sorted(speeds, reverse=True)
     assert all(e.fits and e.scenario.global_batch == 2048 for e in result.ranked)
-    modes = {e.scenario.mode for e in result.ranked}
-    assert {"1d", "2d", "3d"} <= modes  # every mode was weighed
+    # best first stopped early: nothing pruned could beat the tenth kept
+    assert result.pruned > 0 and result.estimated < 500
 
 
 def test_search_command(capsys):
@@ -231,3 +235,13 @@ def test_search_matches_a_direct_estimate():
     again = estimate(spec, best.scenario, device)
     assert again.step_s == best.step_s and again.memory == best.memory
     assert math.isclose(again.mfu, best.mfu)
+
+
+def test_best_first_search_keeps_the_true_top():
+    """Pruning by the step-time bound loses nothing: the top 5 equal an exhaustive search's."""
+    spec, device = get_model("gpt2-350m"), get_device("a100-80g")
+    pruned = search(spec, device, 64, 256, Scenario(world=64), SearchOptions(top=5))
+    everything = search(spec, device, 64, 256, Scenario(world=64), SearchOptions(top=10**6))
+    assert pruned.pruned > 0 and everything.pruned == 0
+    top = [e.scenario for e in pruned.ranked[:5]]
+    assert top == [e.scenario for e in everything.ranked[:5]]

@@ -70,7 +70,8 @@ class Collective:
     # "backward": overlaps the last backward (bucketed gradient all-reduce, ZeRO reduce-scatter);
     # "prefetch": overlaps compute (ZeRO-3 weight gathers); "step": after backward, exposed
     phase: str = "micro"
-    counted: bool = True  # seen by comm.count_bytes (ZeRO and send/recv use torch directly)
+    counted: bool = True
+    forward: float = 0.0  # share of the bytes sent in the forward pass (recompute repeats it)  # seen by comm.count_bytes (ZeRO and send/recv use torch directly)
 
     @property
     def total(self) -> float:
@@ -82,7 +83,7 @@ class Collective:
 
     def scaled(self, calls: float) -> Collective:
         return Collective(self.group, self.op, self.bytes, self.calls * calls, self.what,
-                          self.phase, self.counted)  # fmt: skip
+                          self.phase, self.counted, self.forward)  # fmt: skip
 
 
 def all_reduce(n: int, elements: float) -> float:
@@ -99,10 +100,12 @@ class _Layers:
         self.nb = dtype_bytes(sc.amp)
         self.out: list[Collective] = []
 
-    def add(self, group, op, elements, dtype, what, calls=1.0):
+    def add(self, group, op, elements, dtype, what, calls=1.0, fwd=0.0):
+        """``fwd``: the share of these bytes sent in the forward pass (recompute repeats it)."""
         n = self._size(group)
         if n > 1 and elements > 0:
-            self.out.append(Collective(group, op, elements * self.nb[dtype], calls, what))
+            c = Collective(group, op, elements * self.nb[dtype], calls, what, forward=fwd)
+            self.out.append(c)
 
     def _size(self, group) -> int:
         g = self.geo
@@ -114,14 +117,16 @@ class _Layers:
             return g.side**2
         return g.side
 
-    def ar(self, group, elements, dtype, what, calls=1.0):
-        self.add(group, "all_reduce", all_reduce(self._size(group), elements), dtype, what, calls)
+    def ar(self, group, elements, dtype, what, calls=1.0, fwd=0.0):
+        n = self._size(group)
+        self.add(group, "all_reduce", all_reduce(n, elements), dtype, what, calls, fwd)
 
-    def ag(self, group, local, dtype, what, calls=1.0):  # all-gather of ``local`` elements
-        self.add(group, "all_gather", (self._size(group) - 1) * local, dtype, what, calls)
+    def ag(self, group, local, dtype, what, calls=1.0, fwd=1.0):  # all-gather of ``local``
+        self.add(group, "all_gather", (self._size(group) - 1) * local, dtype, what, calls, fwd)
 
-    def rs(self, group, output, dtype, what, calls=1.0):  # reduce-scatter to ``output`` elements
-        self.add(group, "reduce_scatter", (self._size(group) - 1) * output, dtype, what, calls)
+    def rs(self, group, output, dtype, what, calls=1.0, fwd=0.0):  # reduce-scatter to ``output``
+        n = self._size(group)
+        self.add(group, "reduce_scatter", (n - 1) * output, dtype, what, calls, fwd)
 
     # ---- per layer ----------------------------------------------------------------------
     def layer(self, name: str, entry: PlanEntry) -> None:
@@ -159,11 +164,11 @@ class _Layers:
                 self.ag(g, m * n / self.geo.size, "e", f"{name}: output gather")
         elif e.layer == "RowLinear":
             k, n = self._dims(e)
-            self.ar(g, m * n, "e", f"{name}: output (forward)")
+            self.ar(g, m * n, "e", f"{name}: output (forward)", fwd=1.0)
             if e.style == "rowwise_split_input":
-                self.ag(g, m * k / self.geo.size, "e", f"{name}: input gradient gather")
+                self.ag(g, m * k / self.geo.size, "e", f"{name}: input gradient gather", fwd=0.0)
         elif e.layer == "VocabParallelEmbedding1D":
-            self.ar(g, m * self._dims(e)[1], "w", f"{name}: partial rows (forward)")
+            self.ar(g, m * self._dims(e)[1], "w", f"{name}: partial rows (forward)", fwd=1.0)
         elif e.layer == "Embedding1D":
             self.ag(g, m * self._dims(e)[1] / self.geo.size, "w", f"{name}: output gather")
 
@@ -174,9 +179,9 @@ class _Layers:
             k, n = self._dims(e)
             x, w = t * k / q, k * n / q**2
             xd = self._input_dtype(name)
-            self.add(row, "broadcast", 2 * q * x, xd, f"{name}: input panels (SUMMA)")
+            self.add(row, "broadcast", 2 * q * x, xd, f"{name}: input panels (SUMMA)", fwd=0.5)
             self.add(row, "reduce", q * x, "e", f"{name}: input-gradient partials")
-            self.add(col, "broadcast", 2 * q * w, "w", f"{name}: weight panels (SUMMA)")
+            self.add(col, "broadcast", 2 * q * w, "w", f"{name}: weight panels (SUMMA)", fwd=0.5)
             self.add(col, "reduce", q * w, "e", f"{name}: weight-gradient partials")
             if dep is not None:
                 self.ar(dep, w, "w", f"{name}: weight gradient over depth")
@@ -185,14 +190,14 @@ class _Layers:
         elif e.layer == "Norm":
             h = self._dims(e)[0]
             stats = 2 if self.spec.norm == "layer" else 1
-            self.ar(row, t, "f", f"{name}: statistics (forward and backward)", 2 * stats)
+            self.ar(row, t, "f", f"{name}: statistics (forward and backward)", 2 * stats, 0.5)
             for pname in e.shards:
                 self._split_param(name, h, pname, col, dep)
         elif e.layer == "VocabParallelEmbedding":
             v, dim = self._dims(e)
-            self.add(col, "all_gather", (q - 1) * t, "i", f"{name}: token ids")
-            self.rs(col, t * dim / q, "w", f"{name}: partial rows")
-            self.ag(col, t * dim / q, "e", f"{name}: gradient (backward)")
+            self.add(col, "all_gather", (q - 1) * t, "i", f"{name}: token ids", fwd=1.0)
+            self.rs(col, t * dim / q, "w", f"{name}: partial rows", fwd=1.0)
+            self.ag(col, t * dim / q, "e", f"{name}: gradient (backward)", fwd=0.0)
             if dep is not None:
                 self.ar(dep, v * dim / q**2, "w", f"{name}: weight gradient over depth")
         elif e.layer == "Embedding":
@@ -204,9 +209,9 @@ class _Layers:
         elif e.layer == "VocabParallelClassifier":
             k, v = self._dims(e)
             w, c = k * v / q**2, t * v / q
-            self.add(col, "broadcast", 2 * q * w, "w", f"{name}: weight panels (SUMMA)")
+            self.add(col, "broadcast", 2 * q * w, "w", f"{name}: weight panels (SUMMA)", fwd=0.5)
             self.add(col, "reduce", q * w, "e", f"{name}: weight-gradient partials")
-            self.add(row, "reduce", q * c, "e", f"{name}: logit partials")
+            self.add(row, "reduce", q * c, "e", f"{name}: logit partials", fwd=1.0)
             self.add(row, "broadcast", 2 * q * c, "e", f"{name}: logit-gradient panels")
             if dep is not None:
                 self.ar(dep, w, "w", f"{name}: weight gradient over depth")
@@ -235,8 +240,8 @@ class _Layers:
             for group, local, dt, what in ((row, x, xd, "input"), (inp, w, "w", "weight")):
                 self.ag(group, local, dt, f"{name}: {what} gather")
                 self.rs(group, local, dt, f"{name}: {what} gradient")
-            self.rs(hidden, y, "e", f"{name}: output reduce-scatter")
-            self.ag(hidden, y, "e", f"{name}: output gradient")
+            self.rs(hidden, y, "e", f"{name}: output reduce-scatter", fwd=1.0)
+            self.ag(hidden, y, "e", f"{name}: output gradient", fwd=0.0)
             if "bias" in e.shards:
                 pair = PAIR[hidden]
                 self.ag(pair, n / d**3, "w", f"{name}.bias: gather")
@@ -244,17 +249,17 @@ class _Layers:
         elif e.layer == "Norm":
             h = self._dims(e)[0]
             stats = 2 if self.spec.norm == "layer" else 1
-            self.ar(hidden, t, "f", f"{name}: statistics (forward and backward)", 2 * stats)
+            self.ar(hidden, t, "f", f"{name}: statistics (forward and backward)", 2 * stats, 0.5)
             for pname in e.shards:
                 self.ag(PAIR[row], h / d**3, "w", f"{name}.{pname}: gather")
                 self.rs(PAIR[row], h / d**3, "w", f"{name}.{pname}: gradient")
         elif e.layer == "VocabParallelEmbedding":
             v, dim = self._dims(e)
-            self.add(row, "all_gather", (d - 1) * t, "i", f"{name}: token ids")
+            self.add(row, "all_gather", (d - 1) * t, "i", f"{name}: token ids", fwd=1.0)
             self.ag(inp, v * dim / d**3, "w", f"{name}: weight gather")
             self.rs(inp, v * dim / d**3, "w", f"{name}: weight gradient")
-            self.rs(row, t * dim / d, "w", f"{name}: partial rows")
-            self.ag(row, t * dim / d, "e", f"{name}: gradient (backward)")
+            self.rs(row, t * dim / d, "w", f"{name}: partial rows", fwd=1.0)
+            self.ag(row, t * dim / d, "e", f"{name}: gradient (backward)", fwd=0.0)
         elif e.layer == "Embedding":
             v, dim = self._dims(e)
             self.ag(PAIR[row], v * dim / d**3, "w", f"{name}: weight gather")
@@ -264,11 +269,12 @@ class _Layers:
     def ring_attention(self) -> None:
         n, kv = self.geo.size, self.t * self.spec.hidden  # k and v blocks hold every head
         if self.sc.ring == "online":
-            self.add(PM.SEQUENCE, "ring_pass", 2 * kv * (n - 1), "e", "ring K/V (forward)")
+            self.add(PM.SEQUENCE, "ring_pass", 2 * kv * (n - 1), "e", "ring K/V (forward)", fwd=1)
             self.add(PM.SEQUENCE, "ring_pass", 2 * kv * (n - 1), "e", "ring K/V (backward)")
             self.add(PM.SEQUENCE, "ring_pass", 2 * kv * n, "f", "ring dK/dV accumulators")
         else:
-            self.add(PM.SEQUENCE, "ring_pass", 2 * kv * (2 * n - 2), "e", "RingQK / RingAV: K, V")
+            self.add(PM.SEQUENCE, "ring_pass", 2 * kv * (2 * n - 2), "e", "RingQK / RingAV: K, V",
+                     fwd=0.5)  # fmt: skip
             self.add(PM.SEQUENCE, "ring_pass", 2 * kv * n, "e", "RingQK / RingAV: dK, dV")
 
     def loss(self) -> None:
@@ -297,7 +303,8 @@ def microbatch_collectives(
     spec: ModelSpec, geo: Geometry, sc: Scenario, stage: StageLayers, shards: TensorShards
 ) -> list[Collective]:
     """Tensor-parallel collectives of one micro-batch through ``stage`` (forward + backward)."""
-    key = (spec, geo, sc.amp, sc.ring, sc.micro_batch, stage.embed, stage.blocks, stage.head)
+    key = (spec, geo, sc.amp, sc.ring, sc.recompute, sc.micro_batch, stage.embed, stage.blocks,
+           stage.head)  # fmt: skip
     if key not in _MICRO:
         _MICRO[key] = _microbatch(spec, geo, sc, stage, shards)
     return _MICRO[key]
@@ -326,7 +333,8 @@ def _microbatch(spec, geo, sc, stage, shards) -> list[Collective]:
             layers.ring_attention()
         if prefix == "head.":
             layers.loss()
-        out += [c.scaled(times) for c in layers.out]
+        redo = prefix == "h0." and sc.recompute == "full"  # backward re-runs each block forward
+        out += [c.scaled(times * (1 + c.forward if redo else 1)) for c in layers.out]
     return out
 
 

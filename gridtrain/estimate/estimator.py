@@ -151,13 +151,21 @@ def gemm_scale(spec: ModelSpec, geo: Geometry, sc: Scenario) -> float:
 _SCALE: dict[tuple, float] = {}
 
 
-def compute_bound(spec: ModelSpec, sc: Scenario, device: DeviceSpec, shards: TensorShards) -> float:
-    """A lower bound on the step time: the schedule's slots of matmul time alone (no
-    communication, no memory traffic, no optimizer); the search drops a layout whose
-    bound is slower than the results it already holds."""
+def step_bound(spec: ModelSpec, sc: Scenario, device: DeviceSpec, shards: TensorShards) -> float:
+    """A lower bound on ``estimate(...).step_s``: the schedule's slots of matmul time and
+    tensor-parallel communication alone (no memory traffic, no pipeline transfers, no
+    data-parallel or optimizer tail). The search drops a layout whose bound is slower
+    than the results it already holds."""
     geo = Geometry.of(sc.mode, sc.tensor, sc.depth)
+    links = group_links(sc, device.gpus_per_node)
     peak = device.peak_for(sc.amp) * device.efficiency * gemm_scale(spec, geo, sc)
-    slot = max(_flops(spec, st, sc) for st in sc.stages(spec, shards)) / peak
+    slot = 0.0
+    for st in {(s.embed, s.blocks, s.head): s for s in sc.stages(spec, shards)}.values():
+        comm = sum(
+            collective_seconds(c, links, device)
+            for c in microbatch_collectives(spec, geo, sc, st, shards)
+        )
+        slot = max(slot, _flops(spec, st, sc) / peak + comm)
     if sc.pipeline > 1:
         return sc.accumulation * (sc.pipeline_micro + (sc.pipeline - 1) / sc.chunks) * slot
     return sc.micro_batches * slot

@@ -15,7 +15,8 @@ Pruned, cheapest test first, so that 4096 GPUs take seconds:
    the one below it cannot hold the largest micro-batch;
 4. activations per micro-batch size (largest first) before any time is estimated;
 5. best first: candidates are estimated in the order of a lower bound on their
-   step time (their matmuls alone), until the bound cannot beat the top results.
+   step time (matmuls and tensor-parallel collectives alone), until the bound cannot
+   beat the top results.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import math
 import time
 
 from gridtrain.estimate.devices import DeviceSpec
-from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, compute_bound, estimate
+from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, estimate, step_bound
 from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.memory import in_flight, model_states, stage_activations
 from gridtrain.estimate.models import ModelSpec
@@ -52,10 +53,12 @@ class SearchResult:
     ranked: list[Estimate]
     considered: int = 0
     estimated: int = 0
-    pruned: int = 0  # fit, but even their compute alone is slower than the top ``top`` found
+    pruned: int = 0  # fit, but a bound on their step is slower than the top ``top`` found
     rejected: dict[str, int] = dataclasses.field(default_factory=dict)
     best: list[float] = dataclasses.field(default_factory=list)  # min-heap of the top speeds
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock
+    cpu_seconds: float = 0.0  # this process's CPU time (what the search costs on a busy machine)
+    modes: set = dataclasses.field(default_factory=set)  # tensor modes of the layouts considered
     top: int = 10
 
     def reject(self, why: str) -> None:
@@ -132,11 +135,12 @@ def search(
     partition and clipping).
 
     Best first: every candidate that fits in memory gets a lower bound on its step time
-    (``estimator.compute_bound``: its matmuls alone); candidates are estimated fastest
+    (``estimator.step_bound``: its matmuls and tensor-parallel collectives alone);
+    candidates are estimated fastest
     bound first, and the search stops once the next bound cannot beat the ``top``
     estimates already made, so the top ``top`` are the true best of the model's estimates.
     """
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = SearchResult(spec, device, world, global_batch, [], top=options.top)
     candidates: list[tuple[float, int, Scenario, object]] = []
     for p in divisors(world):
@@ -144,6 +148,7 @@ def search(
             continue
         for mode, t, depth in tensor_layouts(world // p, spec, options.modes):
             result.considered += 1
+            result.modes.add(mode)
             candidates += _candidates(spec, device, world, global_batch, base, options,
                                       p, mode, t, depth, result)  # fmt: skip
     candidates.sort(key=lambda c: (c[0], c[1]))
@@ -160,6 +165,7 @@ def search(
     found.sort(key=lambda e: -e.tokens_per_s)
     result.ranked = found
     result.seconds = time.perf_counter() - start
+    result.cpu_seconds = time.process_time() - cpu
     return result
 
 
@@ -214,7 +220,7 @@ def _candidates(spec, device, world, batch, base, options, p, mode, t, depth, re
                     result.reject("activations exceed the device memory")
                     continue
                 roomy = roomy or b == micro[-1]
-                out.append((compute_bound(spec, sc, device, shards), len(out), sc, shards))
+                out.append((step_bound(spec, sc, device, shards), len(out), sc, shards))
         if roomy:  # the largest micro-batch fits already: more ZeRO only adds communication
             break
     return out
@@ -226,7 +232,8 @@ def format_search(r: SearchResult) -> str:
         f"search: {r.spec.name} on {r.world} x {r.device.name}, global batch {r.global_batch} x "
         f"{r.spec.seq_len} = {tokens:,} tokens per step\n"
         f"  {r.considered} pipeline x tensor layouts, {r.estimated} estimated, {len(r.ranked)} fit, "
-        f"{r.pruned} pruned (their compute alone is slower than the top {r.top}) ({r.seconds:.2f} s)"
+        f"{r.pruned} pruned (a bound on their step is slower than the top {r.top}) "
+        f"({r.seconds:.2f} s)"
     )
     if r.rejected:
         head += "\n  rejected: " + "; ".join(f"{n} {why}" for why, n in sorted(r.rejected.items()))

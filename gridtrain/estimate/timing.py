@@ -72,14 +72,13 @@ def group_links(sc: Scenario, gpus_per_node: int) -> dict:
     """Group -> ``Link(size, internode)`` for every group of the layout.
 
     ``topology.build_groups`` runs on the layout cut to as few pipeline stages and data
-    replicas as still show every kind of node boundary the full world has (a group
-    spans nodes in the cut iff it does in the full world: its stride pattern is the
-    same and it reaches at least one node further than it would need to); sizes
-    are the full layout's.
+    replicas as still cross a node boundary wherever the full world's groups do (a
+    group of stride ``s`` spans nodes once it holds ``ceil(gpus_per_node / s) + 1``
+    ranks); sizes are the full layout's.
     """
     gpn = gpus_per_node
-    p = min(sc.pipeline, 2 * math.ceil(gpn / sc.tensor) + 1)
-    replicas = min(sc.data, 2 * math.ceil(gpn / (p * sc.tensor)) + 1)
+    p = min(sc.pipeline, math.ceil(gpn / sc.tensor) + 1)  # stride T: reaches past a node
+    replicas = min(sc.data, math.ceil(gpn / (p * sc.tensor)) + 1)
     depth = sc.depth if sc.mode == "2.5d" else 1
     cut = _links(p, sc.tensor, sc.mode, depth, replicas, gpn)
     full = {
