@@ -145,3 +145,15 @@ def _search(args, cfg: Config, spec, device) -> int:
     result = search(spec, device, args.world_size, batch, base, options)
     print(format_search(result))
     return 0 if result.ranked else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gridtrain.estimate.cli ...``: the sub-command on its own."""
+    parser = argparse.ArgumentParser(prog="gridtrain")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["estimate", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

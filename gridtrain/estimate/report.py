@@ -60,23 +60,22 @@ def _memory(e: Estimate) -> list[str]:
     )
     zero = f", ZeRO-{sc.zero} over {sc.zero_group}" if sc.zero else ""
     wdt = "fp16" if nb["w"] == 2 else "fp32"
-    rows = [
-        ("parameters", f"{w.params / 1e9:.3f}B x {nb['w']} B ({wdt}){zero if sc.zero >= 3 else ''}",
-         st.weights),
-        ("gradients", f"{wdt}{zero if sc.zero >= 2 else ''}", st.grads),
-    ]  # fmt: skip
-    if st.master_weights or st.master_grads or sc.amp == "naive":
-        rows.append(
-            ("master weights", "fp32 (naive fp16)" + (zero if sc.zero else ""), st.master_weights)
-        )
-        rows.append(("master gradients", "fp32, at the optimizer step", st.master_grads))
-    rows.append(
-        (
-            "optimizer states",
-            "Adam moments + step" + (zero if sc.zero else ""),
-            st.moments + st.steps,
-        )
-    )
+    mine = "this rank's rows" + zero
+    if sc.zero == 3:  # FSDP2: fp32 rows of parameters and gradients, which are the masters
+        rows = [("parameters", f"{w.params / 1e9:.3f}B on the stage; fp32 {mine}", st.weights),
+                ("gradients", f"fp32 {mine}", st.grads),
+                ("gathered layers", "unsharded for compute, two at a time", st.gathered)]  # fmt: skip
+    else:
+        grads = "dropped once reduce-scattered (ZeRO-2)" if sc.zero == 2 else wdt
+        rows = [("parameters", f"{w.params / 1e9:.3f}B x {nb['w']} B ({wdt})", st.weights),
+                ("gradients", grads, st.grads)]  # fmt: skip
+    if st.master_weights:
+        rows.append(("master weights", "fp32 copies" + (f" of {mine}" if sc.zero else ""),
+                     st.master_weights))  # fmt: skip
+    if st.master_grads:
+        what = f"reduce-scattered rows{zero}" if sc.zero else "fp32, at the optimizer step"
+        rows.append(("master gradients", what, st.master_grads))
+    rows.append(("optimizer states", "Adam moments + step" + zero, st.moments + st.steps))
     flight = "1F1B" if sc.chunks == 1 else "interleaved"
     how = (
         f"{_gib(act.per_microbatch)} GiB per micro-batch x {act.microbatches_in_flight:g} in flight ({flight})"
