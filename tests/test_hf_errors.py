@@ -1,0 +1,99 @@
+"""Bad input is refused before any weight moves, with the numbers: heads or KV heads that do not
+divide by the mode's head split, a model with no plan under a mode that needs one (naming the
+modules that need a style), a model whose attention cannot become a ring; and vocab-sharded
+logits are never silently mis-read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.harness import run_distributed
+from test_hf_parity import VOCAB, adamw, hf_batches, lm_loss, tiny_model
+
+import gridtrain as gt
+
+
+def _initialize_error(ctx, name: str, model_kw: dict):
+    model = tiny_model(name, **model_kw)
+    try:
+        gt.initialize(model, adamw(model), lm_loss)
+    except ValueError as err:  # PlanError is a ValueError
+        return type(err).__name__, str(err)
+    return None, None
+
+
+def _tensor(size: int, mode: str, **kw) -> dict:
+    return dict(parallel=dict(tensor=dict(size=size, mode=mode, **kw)))
+
+
+@pytest.mark.parametrize(
+    "name, model_kw, config, words",
+    [
+        ("llama", dict(num_key_value_heads=1), _tensor(2, "1d"), ["num_key_value_heads=1", "2"]),
+        (
+            "llama",
+            dict(num_key_value_heads=1),
+            _tensor(4, "2d"),
+            ["num_key_value_heads=1", "q = 2"],
+        ),
+        ("gpt2", dict(n_head=3, n_embd=48), _tensor(4, "2d"), ["num_attention_heads=3", "q = 2"]),
+    ],
+)
+def test_heads_not_divisible_say_which_and_by_what(name, model_kw, config, words):
+    world = config["parallel"]["tensor"]["size"]
+    results = run_distributed(_initialize_error, world, name, model_kw, config=config)
+    for kind, message in results:
+        assert kind == "PlanError", message
+        for w in words:
+            assert w in message, message
+
+
+def _bloom_error(ctx):
+    import transformers as tf
+
+    cfg = tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    model = tf.BloomForCausalLM(cfg)
+    try:
+        gt.initialize(model, adamw(model), lm_loss)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_model_without_plan_names_the_modules_needing_a_style():
+    """Bloom has no _tp_plan and gridtrain has none: its fused query_key_value is not guessed."""
+    message = run_distributed(_bloom_error, 2, config=_tensor(2, "1d"))[0]
+    assert "has no tensor plan" in message, message
+    assert "transformer.h.0.self_attention.query_key_value" in message, message
+    assert "parallel.tensor.plan" in message, message
+    message = run_distributed(_bloom_error, 2, config=_tensor(2, "sequence"))[0]
+    assert "AttentionInterface" in message and "ring attention" in message, message
+
+
+def _logits(ctx, plan: dict | None):
+    model = tiny_model("gpt2")
+    engine, *_ = gt.initialize(model, adamw(model), lm_loss)
+    x, m, y = hf_batches(steps=1)[0]
+    out = engine(input_ids=x, attention_mask=m)
+    width = out.logits.shape[-1]
+    try:  # what a user writes with V = the vocabulary size
+        loss = gt.nn.CrossEntropyLoss()(out.logits.reshape(-1, VOCAB), y.reshape(-1)).item()
+    except ValueError as err:
+        loss = str(err)
+    return width, loss
+
+
+def test_logits_are_gathered_by_default_and_sharded_ones_never_misread():
+    ref = tiny_model("gpt2")
+    x, m, y = hf_batches(steps=1)[0]
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(
+            ref(input_ids=x, attention_mask=m).logits.reshape(-1, VOCAB), y.reshape(-1)
+        )
+    for width, loss in run_distributed(_logits, 2, None, config=_tensor(2, "1d")):
+        assert width == VOCAB  # gathered: reshape(-1, V) is the dense layout
+        assert loss == pytest.approx(want.item(), rel=1e-12)
+    sharded = _tensor(2, "1d", plan={"lm_head": "vocab_parallel"})
+    for width, loss in run_distributed(_logits, 2, None, config=sharded):
+        assert width == VOCAB // 2
+        assert isinstance(loss, str) and "must be labels" in loss, loss  # an error, not a number
