@@ -245,3 +245,20 @@ def test_best_first_search_keeps_the_true_top():
     assert pruned.pruned > 0 and everything.pruned == 0
     top = [e.scenario for e in pruned.ranked[:5]]
     assert top == [e.scenario for e in everything.ranked[:5]]
+
+
+def test_cli_unsplittable_vocabulary_and_pad_vocab(tmp_path, capsys):
+    """A Hugging Face vocabulary (GPT-2's 50257) that no tensor group splits: the planner's own
+    error names the layer and the divisor; --pad-vocab rounds it up as Megatron does."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+        "n_positions": 1024,
+    }))  # fmt: skip
+    cfg = _config(tmp_path, "parallel = dict(tensor=dict(size=4, mode='1d'))\n")
+    argv = ["--config", cfg, "--model", str(tmp_path), "--world-size", "8"]
+    code, _, err = _run(argv, capsys)
+    assert (
+        code == 2 and "num_embeddings=50257 must be divisible by 4" in err and "--pad-vocab" in err
+    )
+    code, out, _ = _run([*argv, "--pad-vocab", "128"], capsys)
+    assert code == 0 and "vocab 50304" in out

@@ -14,6 +14,7 @@ the group and the divisor).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from gridtrain.config import Config, ConfigError
@@ -51,9 +52,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--seq-len", type=int, metavar="S", help="sequence length (default: the model's)"
     )
+    p.add_argument(
+        "--pad-vocab",
+        type=int,
+        metavar="K",
+        help="round the vocabulary up to a multiple of K (Megatron's "
+        "make-vocab-size-divisible-by), so that it splits over tensor groups",
+    )
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default: config's)")
     p.add_argument(
-        "--offload", action="store_true", help="ZeRO-3 with optimizer states on the host"
+        "--offload",
+        action="store_true",
+        help="ZeRO optimizer states (stage 3: everything) on the host",
     )
     p.add_argument("--recompute", choices=("none", "full"), default="none",
                    help="activation recompute per block (what-if; gridtrain runs without)")  # fmt: skip
@@ -102,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args.config)
         spec = get_model(args.model, args.seq_len)
+        if args.pad_vocab:
+            spec = dataclasses.replace(
+                spec, vocab=-(-spec.vocab // args.pad_vocab) * args.pad_vocab
+            )
         device = _device(args)
         if args.search:
             return _search(args, cfg, spec, device)

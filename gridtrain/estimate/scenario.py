@@ -207,7 +207,10 @@ class Scenario:
         try:
             return tensor_shards(spec, mode, t, self.depth)
         except PlanError as err:
-            raise EstimateError(f"tensor {mode} {t}: {err}") from None
+            hint = ""
+            if "num_embeddings" in str(err) or "num_classes" in str(err):
+                hint = " (--pad-vocab K rounds the vocabulary up to a multiple of K)"
+            raise EstimateError(f"tensor {mode} {t}: {err}{hint}") from None
 
     def stages(self, spec: ModelSpec, shards: TensorShards) -> list[StageLayers]:
         """Which layers each pipeline stage holds (the engine's ``partition``; chunks merged)."""
