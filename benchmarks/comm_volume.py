@@ -34,7 +34,6 @@ statistics and the gathers of split biases / LayerNorm weights.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import socket
 import statistics
@@ -52,15 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gridtrain as gt  # noqa: E402
 import gridtrain.nn as gnn  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
-from gridtrain.parallel.tensor import layers  # noqa: E402
+from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan  # noqa: E402
 
 # (mode, tensor size, depth, module file)
 LAYOUTS = [
-    ("1d", 4, 1, "mode_1d"),
-    ("1d", 8, 1, "mode_1d"),
-    ("2d", 4, 1, "mode_2d"),
-    ("2.5d", 8, 2, "mode_2p5d"),
-    ("3d", 8, 1, "mode_3d"),
+    ("1d", 4, 1),
+    ("1d", 8, 1),
+    ("2d", 4, 1),
+    ("2.5d", 8, 2),
+    ("3d", 8, 1),
 ]
 HEAD_DIM = 16
 
@@ -120,14 +119,13 @@ def _worker(rank, world, port, mode, depth, sizes, dtype_name, steps, queue):
     cfg = dict(parallel=dict(tensor=tensor))
     ctx = gt.launch(cfg, rank, world, "127.0.0.1", port)
     dtype = getattr(torch, dtype_name)
-    module = layers.mode_module(ctx)
     results = []
     for b, s, h in sizes:
-        for reset in ("reset_orientation", "reset_alternation"):
-            if hasattr(module, reset):
-                getattr(module, reset)(ctx)
         torch.manual_seed(0)
-        block = Block(h, dtype).to(ctx.device)
+        block = Block(h, dtype)
+        # the engine's plan and layers (gt.initialize does the same, plus an optimizer)
+        apply_plan(block, build_plan(block, ctx, torch.zeros(b, s, h, dtype=dtype)), ctx)
+        block = block.to(ctx.device)
         rows, cols = grid_sizes(mode, world, depth)
         x = torch.randn(b // rows, s, h // cols, dtype=dtype, device=ctx.device)
 
@@ -188,11 +186,8 @@ def main(argv=None) -> None:
     gpus = torch.cuda.device_count() if cuda else None
     wanted = args.modes.split(",")
     rows = []
-    for mode, world, depth, file in LAYOUTS:
+    for mode, world, depth in LAYOUTS:
         if mode not in wanted:
-            continue
-        if importlib.util.find_spec(f"gridtrain.parallel.tensor.{file}") is None:
-            print(f"skip {mode}: gridtrain/parallel/tensor/{file}.py does not exist yet")
             continue
         if gpus is not None and world > gpus:
             print(f"skip {mode} T={world}: {gpus} GPUs")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.harness import run_distributed
 
-from gridtrain.parallel.tensor.ring_attention import _keep_mask
+from gridtrain.parallel.tensor.sequence.ring_attention import _keep_mask
 from gridtrain.parallel.tensor.sequence import ring_attention
 
 B, H, S, D = 2, 2, 8, 4

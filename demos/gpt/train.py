@@ -3,6 +3,8 @@
     gridtrain run --nproc_per_node 4 --config demos/gpt/configs/demo.py demos/gpt/train.py
     gridtrain run --nproc_per_node 1 --config demos/gpt/configs/none.py demos/gpt/train.py \\
         --preset small --seq-len 1024 --batch-size 8 --data my.txt
+    gridtrain run --max-restarts 3 --nproc_per_node 4 --config demos/gpt/configs/dp2_tp2.py \\
+        demos/gpt/train.py --checkpoint ckpt --save-every 20 --resume auto
 
 Command-line arguments override the config's UPPER_CASE constants (PRESET,
 TRAIN_ITERS, GLOBAL_BATCH_SIZE, SEQ_LEN, LR, ...), which override the defaults.
@@ -12,7 +14,9 @@ TRAIN_ITERS, GLOBAL_BATCH_SIZE, SEQ_LEN, LR, ...), which override the defaults.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +57,17 @@ def parse_args(config, argv=None) -> argparse.Namespace:
         default = getattr(config, const, default)
         parser.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, help=help_)
     parser.add_argument("--prompt", default="The ", help="text the sample continues")
+    parser.add_argument("--checkpoint", default=None, help="directory of sharded checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    parser.add_argument(
+        "--resume", default=None, help="'auto' (newest complete checkpoint) or a path"
+    )
+    parser.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=0,
+        help="testing restarts: the last rank exits with code 1 after this step, first attempt only",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "eval_batches"):
         if getattr(args, name) < 1:
@@ -155,11 +170,14 @@ def main(argv=None) -> dict:
 
     tokens_per_step = args.batch_size * args.seq_len
     losses: list[float] = []
-    bar = tqdm(total=args.steps, disable=not rank0, dynamic_ncols=True, mininterval=1.0)
+    first = resume(args, engine, scheduler, losses, ctx)
+    bar = tqdm(total=args.steps, initial=first, disable=not rank0, dynamic_ncols=True)
     batches = forever(train_dl)
+    for _ in range(first):  # the data position: the same batches as an uninterrupted run
+        next(batches)
     engine.train()
     start = tick = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(first, args.steps):
         engine.zero_grad()
         _, _, loss = engine.execute_schedule(
             batches, forward_only=False, return_loss=True, return_output_label=False
@@ -170,13 +188,31 @@ def main(argv=None) -> dict:
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / (now - tick):,.0f}")
         bar.update()
         tick = now
+        done = step + 1
+        if args.checkpoint and args.save_every and done % args.save_every == 0:
+            gt.save_checkpoint(
+                Path(args.checkpoint) / f"step_{done:06d}", done, engine.model, engine.optimizer,
+                scheduler, sharded=True, extra=dict(step=done, losses=list(losses)),
+            )  # fmt: skip
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if (
+            done == args.crash_at_step
+            and restarts == "0"
+            and ctx.global_rank == ctx.world_size() - 1
+        ):
+            print(
+                f"rank {ctx.global_rank}: crashing after step {done} (--crash-at-step)", flush=True
+            )
+            os._exit(1)
     bar.close()
     elapsed = time.perf_counter() - start
 
     held_out = evaluate(engine, val_dl, args.eval_batches, ctx)
     dense = gpt_model.dense_copy(engine.model, cfg, ctx.device)  # collective
-    result = dict(losses=losses, held_out=held_out, seconds=elapsed)
+    digest = weights_digest(dense)
+    result = dict(losses=losses, held_out=held_out, seconds=elapsed, weights=digest)
     if rank0:
+        print(f"weights sha256 {digest}")
         print(
             f"trained {args.steps} steps in {elapsed:.1f} s "
             f"({args.steps * tokens_per_step / elapsed:,.0f} tokens/s)\n"
@@ -192,6 +228,33 @@ def main(argv=None) -> dict:
             plot(losses, held_out, args.plot)
     gt.destroy()
     return result
+
+
+def resume(args, engine, scheduler, losses: list[float], ctx) -> int:
+    """Load ``--resume`` (``auto``: the newest complete checkpoint); returns the next step."""
+    if not args.resume or args.resume == "none":
+        return 0
+    if args.resume == "auto":
+        path = gt.latest_checkpoint(args.checkpoint) if args.checkpoint else None
+        if path is None:
+            return 0  # nothing saved yet: a fresh start
+    else:
+        path = args.resume
+    extra: dict = {}
+    gt.load_checkpoint(path, engine.model, engine.optimizer, scheduler, extra=extra)
+    losses.extend(extra.get("losses", []))
+    if ctx.global_rank == 0:
+        print(f"resumed from {path} at step {extra['step']}", flush=True)
+    return extra["step"]
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of every weight's bytes, in state-dict order (bit-identity between runs)."""
+    h = hashlib.sha256()
+    for key, t in model.state_dict().items():
+        h.update(key.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def curve(losses: list[float], points: int = 6) -> str:
