@@ -31,6 +31,7 @@ from gridtrain.cli_hosts import (
 )
 from gridtrain.cli_procs import run_hosts, run_local
 from gridtrain.config import Config, ConfigError
+from gridtrain.estimate import cli as estimate_cli
 from gridtrain.launch import CONFIG_ENV
 
 EXAMPLES = """\
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--config", required=True, help="gridtrain config (.py, .yaml or .yml)")
     topo.add_argument("--world-size", "--world_size", type=int, required=True, metavar="N")
     topo.set_defaults(handler=_cmd_topo, parser=topo)
+    estimate_cli.add_parser(sub)
     return parser
 
 

@@ -184,8 +184,31 @@ def _atb(a: Tensor, b: Tensor, g: SummaGrid) -> Tensor:
 
 
 # backward re-enters forward's autocast state, so the panels it multiplies agree in dtype
-_amp_fwd = torch.amp.custom_fwd(device_type="cuda")
-_amp_bwd = torch.amp.custom_bwd(device_type="cuda")
+def _amp_fwd(forward):
+    """Run forward with autocast off, operands cast to the autocast dtype of *their* device
+    (CPU or CUDA alike; torch's custom_fwd takes one device type), remembered for backward."""
+
+    def wrapped(fctx, a, b, grid):
+        dev = a.device.type
+        fctx.amp = torch.is_autocast_enabled(dev)
+        if fctx.amp:
+            dtype = torch.get_autocast_dtype(dev)
+            a, b = a.to(dtype), b.to(dtype)
+        with torch.autocast(dev, enabled=False):
+            return forward(fctx, a, b, grid)
+
+    return wrapped
+
+
+def _amp_bwd(backward):
+    """Backward in forward's dtype (the saved operands'), autocast off."""
+
+    def wrapped(fctx, dc):
+        a, _ = fctx.saved_tensors
+        with torch.autocast(dc.device.type, enabled=False):
+            return backward(fctx, dc.to(a.dtype))
+
+    return wrapped
 
 
 class _MatmulAB(torch.autograd.Function):
