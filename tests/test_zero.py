@@ -78,7 +78,10 @@ def _train(ctx, batches, dtype=torch.float64, inject_at=None):
         losses.append(sum(window) / len(window))
         skipped.append(engine.last_step_skipped)
         scaler = getattr(engine.optimizer, "scaler", None)
-        scales.append(getattr(scaler, "scale", None))
+        if scaler is not None and hasattr(scaler, "get_scale"):  # torch's GradScaler
+            scales.append(scaler.get_scale())
+        else:
+            scales.append(getattr(scaler, "scale", None))
     full = full_model_state(engine.model, ctx)
     return losses, full, optimizer_state_numel(engine.optimizer), skipped, scales
 
@@ -123,6 +126,7 @@ LAYOUTS = {
     "dp2-1d2-stage3": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=3), 0.0),
     "dp2-pp2-stage1": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=1), 0.0),
     "dp2-pp2-stage2": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=2), 0.0),
+    "dp2-pp2-stage3": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=3), 0.0),
     "dp4-stage2-accumulate2": (4, dict(zero=2, gradient_accumulation=2), 0.0),
     "dp4-stage3-accumulate2": (4, dict(zero=3, gradient_accumulation=2), 0.0),
     "dp4-stage2-clip": (4, dict(zero=2, clip_grad_norm=CLIP), CLIP),
