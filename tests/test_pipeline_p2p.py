@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers.harness import run_distributed
 
@@ -81,3 +82,132 @@ def test_fixed_tensor_shape_skips_the_header_and_casts():
     assert x_dtype == torch.float32 and torch.equal(x, torch.full((2, 3), 5.0))
     assert g_dtype == torch.bfloat16, "the gradient comes back in the activation's dtype"
     assert torch.equal(g, torch.full((2, 3), 0.5, dtype=torch.bfloat16))
+
+
+# ---- stage outputs that are views: transposed and expanded -----------------------------------
+H, S, V = 8, 4, 16
+
+
+class _Layer(torch.nn.Module):
+    """A Linear whose output leaves as a non-contiguous view: transposed ``[B, H, S]`` or
+    expanded (stride 0) from one feature, so every stage boundary sends a view."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(H, H)
+        self.index = index
+
+    def forward(self, x):
+        if self.index % 2 == 1:  # the previous layer sent [B, H, S]
+            x = x.transpose(1, 2)
+        y = self.lin(x)
+        return y.transpose(1, 2) if self.index % 2 == 0 else y
+
+
+class _Expand(torch.nn.Module):
+    def forward(self, x):
+        return x[..., :1].expand(-1, -1, H)  # stride 0 on the last dim: not contiguous
+
+
+def _views_model():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(V, H)
+    layers = [emb]
+    for i in range(4):
+        layers.append(_Layer(i))
+        if i % 2 == 1:
+            layers.append(_Expand())
+    layers.append(torch.nn.Linear(H, V))
+    return torch.nn.Sequential(*layers)
+
+
+def _views_loss(logits, y):
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, V), y.reshape(-1))
+
+
+def _views_train(ctx, batches):
+    model = _views_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = ctx.world_size(gt.ParallelMode.DATA)
+    example = batches[0][0].chunk(dp)[0]
+    engine, *_ = gt.initialize(model, opt, _views_loss, example_inputs=example)
+    losses = []
+    for x, y in batches:
+        x, y = (t.chunk(dp)[ctx.local_rank(gt.ParallelMode.DATA)] for t in (x, y))
+        engine.zero_grad()
+        _, _, loss = engine.execute_schedule(iter([(x, y)]), return_output_label=False)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+VIEW_LAYOUTS = {
+    "pp2": (2, dict(parallel=dict(pipeline=2))),
+    "dp2-pp2": (4, dict(parallel=dict(pipeline=2))),
+    "tp2-pp2": (4, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")))),
+    "interleaved": (2, dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)))),
+    "seq2-pp2": (4, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="sequence")))),
+}
+
+
+@pytest.mark.parametrize("name", list(VIEW_LAYOUTS))
+def test_stage_outputs_may_be_transposed_or_expanded_views(name):
+    world, config = VIEW_LAYOUTS[name]
+    config = dict(config, num_microbatches=2)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randint(0, V, (8, S), generator=g), torch.randint(0, V, (8, S), generator=g))
+        for _ in range(2)
+    ]
+    model, dense = _views_model(), []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _views_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        dense.append(loss.item())
+    results = run_distributed(_views_train, world, batches, config=config, timeout=300)
+    replica = world // (2 if name.startswith("dp2") else 1)
+    losses = torch.tensor([r for r in results[::replica]]).mean(0)
+    # float32; micro-batching and the splits only reorder sums
+    torch.testing.assert_close(losses, torch.tensor(dense), rtol=1e-5, atol=1e-5)
+
+
+def _recv_buffers_of_a_transposed_output(ctx):
+    """Every irecv buffer handed to batch_isend_irecv is contiguous (NCCL refuses others)."""
+    import torch.distributed as dist
+
+    seen = []
+    real = dist.P2POp
+
+    def recording(op, tensor, *args, **kwargs):
+        if op is dist.irecv:
+            seen.append(tensor.is_contiguous())
+        return real(op, tensor, *args, **kwargs)
+
+    dist.P2POp = recording
+    try:
+        p2p = PipelineP2P(ctx)
+        if ctx.global_rank == 0:
+            x = torch.randn(4, 6, requires_grad=True)
+            y = (x * 2).t()  # a transposed stage output
+            p2p.communicate(send_next=y)
+            (g,) = p2p.communicate(recv_next_like=y)[1]
+            y.backward(g)
+        else:
+            x = p2p.communicate(recv_prev=True)[0]
+            (x * 3).sum().backward()
+            p2p.communicate(send_prev=input_grads(x))
+    finally:
+        dist.P2POp = real
+    return seen
+
+
+def test_receive_buffers_are_contiguous_for_view_outputs():
+    for rank, seen in enumerate(
+        run_distributed(
+            _recv_buffers_of_a_transposed_output, 2, config=dict(parallel=dict(pipeline=2))
+        )
+    ):
+        assert seen and all(seen), (rank, seen)
