@@ -3,7 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-NPROC ?= 8
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
+# 8 CPU processes, or one per GPU: 8+ GPUs run the 8-process layout, 1-7 GPUs one process
+NPROC ?= $(if $(filter 0,$(GPUS)),8,$(if $(shell test $(GPUS) -ge 8 && echo y),8,1))
+DEMO_CONFIG ?= $(if $(filter 8,$(NPROC)),demos/gpt/configs/demo.py,demos/gpt/configs/demo_gpu1.py)
 
 .PHONY: demo test lint format venv clean
 
@@ -18,7 +21,7 @@ venv: $(STAMP)
 
 ## make demo: GPT on the embedded corpus, dp x tp x pp on CPU processes (GPU if present)
 demo: $(STAMP)
-	$(BIN)/gridtrain run --nproc_per_node $(NPROC) --config demos/gpt/configs/demo.py demos/gpt/train.py
+	$(BIN)/gridtrain run --nproc_per_node $(NPROC) --config $(DEMO_CONFIG) demos/gpt/train.py
 
 ## make test: lint, then the whole test suite on gloo processes
 test: $(STAMP)
