@@ -91,7 +91,7 @@ def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> P
 
     flow = None
     needs_flow = mode in GRID_MODES or any(kinds[m] == LINEAR and m not in given for m in names)
-    if mode != "sequence" and needs_flow:
+    if mode != "sequence" and (needs_flow or example is not None):  # a given plan is checked too
         if example is None:
             missing = [m for m in names if kinds[m] == LINEAR and m not in given]
             raise PlanError(
