@@ -54,6 +54,7 @@ __all__ = [
     "PipelineConfig",
     "TensorConfig",
     "ZeroConfig",
+    "ChunkedLossConfig",
 ]
 
 
@@ -78,6 +79,20 @@ class ZeroConfig(_Section):
     @classmethod
     def _int_is_stage(cls, data: Any) -> Any:
         return {"stage": data} if isinstance(data, int) and not isinstance(data, bool) else data
+
+
+class ChunkedLossConfig(_Section):
+    """``chunked_loss``: the LM head and its cross entropy in token chunks
+    (``gridtrain.parallel.tensor.chunked_loss``); ``True`` takes the defaults."""
+
+    chunk_tokens: PositiveInt = Field(
+        8192, description="tokens per chunk: one chunk's logits exist at a time"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_default(cls, data: Any) -> Any:
+        return {} if data is True else data
 
 
 class ConfigError(ValueError):
@@ -105,6 +120,9 @@ class Config(BaseModel):
     moe: MoeConfig = Field(default_factory=MoeConfig)
     zero: ZeroConfig | None = Field(
         None, description="ZeRO stage 1|2|3 (+ offload); None: plain data parallelism"
+    )
+    chunked_loss: ChunkedLossConfig | None = Field(
+        None, description="LM head + cross entropy in token chunks; None: whole logits"
     )
     max_nonfinite_steps: NonNegativeInt = Field(
         3,

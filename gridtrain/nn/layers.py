@@ -199,4 +199,4 @@ class CrossEntropyLoss(nn.Module):
         return impl
 
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return self._impl()(logits, labels)
+        return self._impl()(logits, labels)  # deferred (chunked-loss) logits included

@@ -115,6 +115,14 @@ def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> P
         styles = {m: "replicate" for m in names}
         origin = {m: "sequence: replicated" for m in names}
 
+    if flow is not None:
+        from gridtrain.parallel.tensor.base import linear_dims
+
+        plan.heads = {
+            m: (linear_dims(modules[m])[1], False)
+            for m in flow.order
+            if kinds.get(m) == LINEAR and m in flow.output_sources
+        }
     orient = orientations(kinds, flow) if mode == "3d" else {}
     for name in names:
         options: dict[str, Any] = {}
@@ -129,9 +137,27 @@ def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> P
         plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
     _dry_run(plan, modules, ctx)
     _resolve_ties(plan, model, modules, ctx)
+    plan.heads = {m: (v, plan[m].style == "vocab_parallel") for m, (v, _) in plan.heads.items()}
     if mode in GRID_MODES:
         _check_all_params_planned(plan, model, mode)
     return plan
+
+
+def find_heads(model: nn.Module, example: Any) -> dict[str, tuple[int, bool]]:
+    """Linears whose output is a model output: name -> (vocab, vocab-split logits).
+
+    From the plan's traced flow when there is one, else traced here (Linears only)."""
+    from gridtrain.parallel.tensor.base import linear_dims
+
+    kinds = {n: k for n, k in tracked_modules(model).items() if k == LINEAR}
+    if example is None:
+        raise PlanError(
+            "chunked_loss needs to find the model's head: pass example_inputs= (or a "
+            "train_dataloader) to gt.initialize"
+        )
+    flow = trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()})
+    modules = dict(model.named_modules())
+    return {m: (linear_dims(modules[m])[1], False) for m in flow.order if m in flow.output_sources}
 
 
 def _check_kinds(given: dict[str, tuple[str, str]], kinds: dict[str, str]) -> None:

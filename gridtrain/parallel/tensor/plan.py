@@ -177,6 +177,8 @@ class Plan:
     size: int
     entries: dict[str, PlanEntry] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Linears whose output is a model output: name -> (vocab, logits vocab-split)
+    heads: dict[str, tuple[int, bool]] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> PlanEntry:
         return self.entries[name]

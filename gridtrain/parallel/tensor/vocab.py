@@ -21,6 +21,8 @@ value while each back-propagates only its own rows' share.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -207,7 +209,28 @@ class GridCrossEntropyLoss(nn.Module):
     def _row_sum(self, x: Tensor, vocab_parallel: bool, differentiable: bool) -> Tensor:
         return x
 
+    def with_reduction(self, reduction: str) -> GridCrossEntropyLoss:
+        """A copy of this loss with another reduction (shares weight and context)."""
+        other = copy.copy(self)
+        object.__setattr__(other, "reduction", reduction)
+        return other
+
+    def count(self, labels: Tensor, vocab_parallel: bool) -> Tensor:
+        """The mean's denominator: non-ignored labels (or their class weights), summed over
+        the ranks holding different rows."""
+        labels = self._rows(labels.as_subclass(Tensor), vocab_parallel).reshape(-1)
+        valid = labels != self.ignore_index
+        if self.weight is None:
+            count = valid.sum().float()
+        else:
+            count = self.weight[labels.masked_fill(~valid, 0)].masked_fill(~valid, 0).sum()
+        return self._row_sum(count.detach().clone(), vocab_parallel, differentiable=False)
+
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        from gridtrain.parallel.tensor.chunked_loss import DeferredLogits, chunked_cross_entropy
+
+        if isinstance(logits, DeferredLogits):
+            return chunked_cross_entropy(self, logits, labels)
         sharded = self.vocab_parallel
         if sharded is None:
             sharded = is_vocab_sharded(logits)

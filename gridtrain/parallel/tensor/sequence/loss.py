@@ -29,7 +29,11 @@ class CrossEntropyLoss(GridCrossEntropyLoss):
     """
 
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
+        from gridtrain.parallel.tensor.chunked_loss import DeferredLogits, chunked_cross_entropy
+
         self._tokens = _token_labels(labels)
+        if isinstance(logits, DeferredLogits):  # chunks of marked labels stay marked
+            return chunked_cross_entropy(self, logits, labels)
         return super().forward(logits, labels.as_subclass(Tensor))
 
     def _row_sum(self, x: Tensor, vocab_parallel: bool, differentiable: bool) -> Tensor:

@@ -1,0 +1,57 @@
+"""``chunked_loss``: the head and its cross entropy in token chunks give the unfused losses and
+gradients in every tensor mode (vocab-split logits included), and never hold whole logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.harness import run_distributed
+from helpers.models import TinyTransformer, tiny_batches
+from helpers.parity import seeded, train_dense, train_engine
+
+import gridtrain as gt
+from gridtrain.parallel.tensor.chunked_loss import DeferredLogits
+
+STEPS, BATCH, SEQ, VOCAB = 2, 8, 16, 64
+CHUNK = dict(chunked_loss=dict(chunk_tokens=32))  # 128 tokens per batch: 4 chunks
+LAYOUTS = {
+    "one process": (1, {}),
+    "1d2 vocab-split": (2, dict(tensor=dict(size=2, mode="1d", plan={"head": "vocab_parallel"}))),
+    "2d4": (4, dict(tensor=dict(size=4, mode="2d"))),
+    "3d8": (8, dict(tensor=dict(size=8, mode="3d"))),
+}
+
+
+def lm_loss(logits, labels):
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(ctx, batches):
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
+    out = train_engine(ctx, model, batches, lm_loss, _adamw, example_inputs=batches[0][0])
+    deferred = isinstance(model.head(torch.zeros(2, 3, 32, dtype=torch.float64)), DeferredLogits)
+    return out, deferred
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_chunked_loss_equals_the_whole_logits_loss(name):
+    world, parallel = LAYOUTS[name]
+    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
+    d_losses, d_grads, d_final = train_dense(
+        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    config = dict(CHUNK, parallel=parallel)
+    for rank, ((losses, grads, final, _, _), deferred) in enumerate(
+        run_distributed(_train, world, batches, config=config, timeout=300)
+    ):
+        assert deferred, "the head returns deferred logits while training"
+        # float64: chunking and sharding only reorder sums
+        assert losses == pytest.approx(d_losses, rel=1e-12), (name, rank)
+        for k, g in d_grads.items():
+            torch.testing.assert_close(grads[k], g, rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
