@@ -55,3 +55,5 @@ def test_chunked_loss_equals_the_whole_logits_loss(name):
         assert losses == pytest.approx(d_losses, rel=1e-12), (name, rank)
         for k, g in d_grads.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
+        for k, v in d_final.items():  # AdamW on near-zero gradients: see test_plain_model_parity
+            torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=f"{name} {k}")
