@@ -29,7 +29,8 @@ from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.materialize import materialise
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import default_dp_mode, get_dp_mode, is_pipeline_shared
-from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan
+from gridtrain.parallel.tensor.chunked_loss import ChunkedHead
+from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan, find_heads
 from gridtrain.parallel.zero import build_zero
 
 logger = logging.getLogger("gridtrain")
@@ -44,6 +45,8 @@ def broadcast_from_first_replica(model: nn.Module, ctx: ParallelContext) -> None
         if ctx.world_size(mode) == 1:
             continue
         data = t.data.contiguous()
+        if data.device != ctx.device:  # kept in CPU memory (ZeRO offload): through the device
+            data = data.to(ctx.device)
         comm.broadcast_(data, ctx.ranks(mode)[0], ctx.group(mode))
         if data.data_ptr() != t.data.data_ptr():
             t.data.copy_(data)
@@ -74,13 +77,23 @@ def example_from(train_dataloader: Any, model: nn.Module) -> Any:
 
 
 def shard_model(model: nn.Module, optimizer, ctx: ParallelContext, example: Any = None):
-    """Plan and apply tensor parallelism to ``model`` in place; returns the plan (or None)."""
-    if ctx.tensor_mode is None:
-        return None
-    plan = build_plan(model, ctx, example)
-    new_of = apply_plan(model, plan, ctx)
-    rebind_optimizer(optimizer, new_of, ctx=ctx)
-    logger.info("%s", plan)
+    """Plan and apply tensor parallelism to ``model`` in place; returns the plan (or None).
+
+    With ``chunked_loss`` the model's heads then return deferred logits (``chunked_loss.py``).
+    """
+    plan = None
+    heads: dict = {}
+    if ctx.tensor_mode is not None:
+        plan = build_plan(model, ctx, example)
+        heads = plan.heads
+        new_of = apply_plan(model, plan, ctx)
+        rebind_optimizer(optimizer, new_of, ctx=ctx)
+        logger.info("%s", plan)
+    chunked = getattr(ctx.config, "chunked_loss", None)
+    if chunked is not None:
+        heads = heads or find_heads(model, example)
+        for name, (vocab, vocab_split) in heads.items():
+            ChunkedHead.enable(model.get_submodule(name), vocab, vocab_split, chunked.chunk_tokens)
     return plan
 
 
@@ -120,9 +133,15 @@ def initialize(
     if criterion is not None and not callable(criterion):
         raise TypeError(f"initialize: criterion must be callable, got {type(criterion).__name__}")
 
-    needs_example = ctx.tensor_mode not in (None, "sequence") and example_inputs is None
+    needs_example = example_inputs is None and (
+        ctx.tensor_mode not in (None, "sequence") or cfg.chunked_loss is not None
+    )
     example = example_from(train_dataloader, model) if needs_example else example_inputs
     plan = shard_model(model, optimizer, ctx, example)
+    # ZeRO 3 with offload keeps parameters in CPU memory: the model may exceed the device's
+    home = ctx.device
+    if cfg.zero is not None and cfg.zero.stage == 3 and cfg.zero.offload:
+        home = torch.device("cpu")
     if ctx.pipeline_parallel_size > 1:
         from gridtrain.engine.pipeline import prepare_pipeline
 
@@ -130,9 +149,10 @@ def initialize(
     else:
         schedule = NonPipelineSchedule()
         if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-            new_of = materialise([model], ctx.device)
+            new_of = materialise([model], home)
             rebind_optimizer(optimizer, new_of, ctx=ctx)
-    model.to(ctx.device)
+    if home == ctx.device:  # else FSDP2 moves one unit at a time, sharding it on the way
+        model.to(ctx.device)
     if criterion is not None and isinstance(criterion, nn.Module):
         criterion.to(ctx.device)
     broadcast_from_first_replica(model, ctx)

@@ -65,18 +65,32 @@ def mixed_precision(amp: AMP_TYPE | None, root: bool = False) -> MixedPrecisionP
 
 def units(model: nn.Module) -> list[nn.Module]:
     """Modules that get their own ``fully_shard``: those held in a ModuleList or Sequential
-    (not looking inside one chosen already), outermost first; the root is not included."""
+    (the root too: GPT's ``h0..h{L-1}``), not looking inside one chosen already, outermost
+    first. A module sharing a parameter with anything outside it (a tied embedding and
+    head) is left to the unit above, since FSDP2 shards each parameter in one unit."""
+    where: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where.setdefault(id(p), []).append(name)
     chosen: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(module, nn.ModuleList | nn.Sequential) and module is not model:
-                if any(True for _ in child.parameters()):
-                    chosen.append(child)
-                continue
-            visit(child)
+    def tied(child: nn.Module, prefix: str) -> bool:
+        return any(
+            not n.startswith(prefix + ".") for p in child.parameters() for n in where[id(p)]
+        )
 
-    visit(model)
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if (
+                isinstance(module, nn.ModuleList | nn.Sequential)
+                and any(True for _ in child.parameters())
+                and not tied(child, path)
+            ):
+                chosen.append(child)
+                continue
+            visit(child, path + ".")
+
+    visit(model, "")
     return chosen
 
 
@@ -97,6 +111,10 @@ class FsdpZero:
         self.ctx, self.model = ctx, model
         self._meshes: dict[ParallelMode, DeviceMesh] = {}
         mp = mixed_precision(amp)
+        if amp is AMP_TYPE.NAIVE:  # naive fp16 runs the whole model in fp16, buffers too
+            for buf in model.buffers():
+                if buf.is_floating_point():
+                    buf.data = buf.data.half()
         policy = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else None
         old = dict(model.named_parameters())
         managed: set[int] = set()
