@@ -3,12 +3,16 @@ dense MLP of the same *active* width (top_k x ffn), so both do about the same FL
 
     python benchmarks/moe_throughput.py                 # CPU always, plus CUDA when present
     python benchmarks/moe_throughput.py --device cpu --steps 3 --hidden 64 --depth 2
+    python benchmarks/moe_throughput.py --device cuda --matmul grouped_mm bmm
 
 One process, all experts local (expert parallelism 1): what it measures is the
-cost of routing, the dispatch/combine einsums and padding to capacity. CUDA runs
-under bf16 autocast. Each model warms up, then trains ``--steps`` AdamW steps
-for ``--rounds`` rounds alternating MoE and dense; each keeps its best round.
-Prints one table row per (device, model).
+cost of routing, dispatch/combine and the expert matmuls, for each MoE dispatch:
+``grouped`` (tokens sorted by expert, ``torch._grouped_mm`` or a padded batched
+matmul, ``--matmul``) and ``capacity`` (``[experts, capacity]`` slots, the original
+path). CUDA runs under bf16 autocast. Each model warms up, then trains ``--steps``
+AdamW steps for ``--rounds`` rounds, the models taking turns; each keeps its best
+round. Prints one table row per (device, model); ``dropped`` is the fraction of
+token choices past capacity in the last step (the same for both dispatches).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demos.moe.model import DenseViT, MoeCriterion, WideNet, WideNetConfig  # noqa: E402
+from gridtrain.parallel.moe import expert_load  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,6 +41,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top_k", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--dispatch", nargs="+", choices=("grouped", "capacity"), default=["grouped", "capacity"]
+    )
+    parser.add_argument(
+        "--matmul",
+        nargs="+",
+        choices=("auto", "grouped_mm", "bmm"),
+        default=["auto"],
+        help="grouped dispatch's expert matmul (auto: grouped_mm on Hopper bf16, else bmm)",
+    )
+    parser.add_argument("--no-drop", action="store_true", help="drop_tks=False")
     return parser.parse_args(argv)
 
 
@@ -73,6 +89,17 @@ def _round(model, crit, opt, x, y, steps, device) -> float:
     return time.perf_counter() - start
 
 
+def _variants(args) -> list[tuple[str, str | None, str | None]]:
+    """(row name, dispatch, matmul) of every model to time; the dense model last."""
+    out = []
+    for dispatch in args.dispatch:
+        matmuls = args.matmul if dispatch == "grouped" else [None]
+        for matmul in matmuls:
+            name = dispatch if dispatch == "capacity" else f"grouped/{matmul}"
+            out.append((name, dispatch, matmul))
+    return out + [("dense", None, None)]
+
+
 def bench(device: str, args) -> list[tuple]:
     s = _sizes(args, device)
     cfg = WideNetConfig(
@@ -82,16 +109,20 @@ def bench(device: str, args) -> list[tuple]:
         ffn=2 * s["hidden"],
         num_experts=args.experts,
         top_k=args.top_k,
+        drop_tks=not args.no_drop,
     )
     g = torch.Generator().manual_seed(0)
     x = torch.randn(s["batch"], 3, 32, 32, generator=g).to(device)
     y = torch.randint(0, 10, (s["batch"],), generator=g).to(device)
     tokens = s["batch"] * (1 + (cfg.img_size // cfg.patch_size) ** 2) * s["steps"]
     runs = {}
-    for name, cls in (("moe", WideNet), ("dense", DenseViT)):
+    for name, dispatch, matmul in _variants(args):
         torch.manual_seed(0)
-        model = cls(cfg).to(device)
-        crit = MoeCriterion(model) if name == "moe" else torch.nn.CrossEntropyLoss()
+        model = (WideNet if dispatch else DenseViT)(cfg).to(device)
+        if dispatch:
+            model.moe.dispatch = dispatch
+            model.moe.experts.matmul = matmul or "auto"
+        crit = MoeCriterion(model) if dispatch else torch.nn.CrossEntropyLoss()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         _round(model, crit, opt, x, y, 1, device)  # warm-up
         runs[name] = (model, crit, opt, [])
@@ -100,9 +131,14 @@ def bench(device: str, args) -> list[tuple]:
             times.append(_round(model, crit, opt, x, y, s["steps"], device))
     rows = []
     for name, (model, _, _, times) in runs.items():
+        moe = name != "dense"
         total = sum(p.numel() for p in model.parameters())
-        active = _active_params(model, cfg, name == "moe")
-        rows.append((device, name, total, active, tokens / min(times)))
+        active = _active_params(model, cfg, moe)
+        dropped = None
+        if moe:
+            load, drops = expert_load(model)
+            dropped = drops / max(float(load.sum()), 1.0)
+        rows.append((device, name, total, active, tokens / min(times), dropped))
     return rows
 
 
@@ -115,11 +151,13 @@ def main(argv=None) -> None:
         elif args.device == "cuda":
             raise SystemExit("--device cuda: CUDA is not available")
     rows = [row for d in devices for row in bench(d, args)]
-    print(f"{'device':<7}{'model':<7}{'params':>12}{'active':>12}{'tokens/s':>14}{'vs dense':>10}")
+    head = f"{'device':<7}{'model':<20}{'params':>12}{'active':>12}{'tokens/s':>14}{'vs dense':>10}"
+    print(head + f"{'dropped':>9}")
     dense = {r[0]: r[4] for r in rows if r[1] == "dense"}
-    for device, name, total, active, tps in rows:
+    for device, name, total, active, tps, dropped in rows:
         ratio = tps / dense[device]
-        print(f"{device:<7}{name:<7}{total:>12,}{active:>12,}{tps:>14,.0f}{ratio:>10.2f}")
+        drop = "" if dropped is None else f"{dropped:>9.3f}"
+        print(f"{device:<7}{name:<20}{total:>12,}{active:>12,}{tps:>14,.0f}{ratio:>10.2f}{drop}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ Each weight is one ``[num_local_experts, ...]`` tensor tagged as a shard of the
 dense ``[num_experts, ...]`` tensor along dim 0 over EXPERT, so full state dicts
 and checkpoints move between expert-parallel sizes; its gradient is averaged
 over EXPERT_DATA (the ranks holding the same experts).
+
+Two ways in: ``forward`` takes capacity slots ``[local experts, slots, hidden]``
+(the capacity dispatch), ``forward_grouped`` takes rows sorted by expert with a
+count per expert (the grouped dispatch) and runs them through
+``torch._grouped_mm`` (one kernel for all experts, on GPUs that have it) or a
+batched matmul over the rows padded to the busiest expert.
 """
 
 from __future__ import annotations
@@ -37,6 +43,41 @@ def check_num_experts(num_experts: int, ep: int) -> int:
     return num_experts // ep
 
 
+MATMULS = ("auto", "grouped_mm", "bmm")
+_GROUPED_MM_OK: dict[tuple, bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` has a native kernel here: CUDA, compute capability >= 9.0
+    (Hopper's CUTLASS grouped GEMM), bf16. Probed once per device (forward and backward on a
+    tiny input), so a torch build or GPU without it falls back instead of failing."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, dtype)
+    if key not in _GROUPED_MM_OK:
+        ok = torch.cuda.get_device_capability(index) >= (9, 0)
+        if ok:
+            try:
+                a = torch.randn(32, 16, device=device, dtype=dtype, requires_grad=True)
+                b = torch.randn(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([16, 32], device=device, dtype=torch.int32)
+                out = torch._grouped_mm(a, b, offs=offs)
+                out.backward(torch.ones_like(out))
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_OK[key] = ok
+    return ok
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` runs in: the autocast dtype when autocast is on, else x's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; gradient times ``scale`` backward."""
 
@@ -58,7 +99,11 @@ def scale_grad(x: Tensor, scale: float) -> Tensor:
 class Experts(nn.Module):
     """``num_experts`` two-layer FFNs ``act(x W1 + b1) W2 + b2``, this rank's share stacked.
 
-    Forward takes ``[num_local_experts, tokens, hidden]`` and returns the same shape.
+    Forward takes ``[num_local_experts, tokens, hidden]`` and returns the same shape;
+    ``forward_grouped`` takes rows sorted by expert. ``matmul`` picks the grouped
+    path's kernel: ``"grouped_mm"`` (``torch._grouped_mm``), ``"bmm"`` (rows padded to
+    the busiest expert, one batched matmul) or ``"auto"`` (grouped_mm where
+    ``grouped_mm_supported``, else bmm).
     Weights: ``w1 [E, hidden, ffn]``, ``b1 [E, ffn]``, ``w2 [E, ffn, hidden]``,
     ``b2 [E, hidden]`` in the dense model, drawn like ``nn.Linear`` per expert
     from the default generator (equal on every rank) and then cut, so any
@@ -79,8 +124,12 @@ class Experts(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
         ctx: ParallelContext | None = None,
+        matmul: str = "auto",
     ):
         super().__init__()
+        if matmul not in MATMULS:
+            raise ValueError(f"Experts matmul must be one of {MATMULS}, got {matmul!r}")
+        self.matmul = matmul
         self.ep = expert_parallel_size(ctx)
         self.num_experts = num_experts
         self.num_local_experts = check_num_experts(num_experts, self.ep)
@@ -115,6 +164,33 @@ class Experts(nn.Module):
         w1, b1, w2, b2 = (scale_grad(p, s) for p in (self.w1, self.b1, self.w2, self.b2))
         h = self.activation(torch.baddbmm(b1.unsqueeze(1), x, w1))
         return torch.baddbmm(b2.unsqueeze(1), h, w2)
+
+    def forward_grouped(self, x: Tensor, counts: Tensor, max_count: int) -> Tensor:
+        """Rows ``x`` [rows, hidden] sorted by local expert, ``counts[e]`` rows for expert e
+        (a tensor on x's device; ``max_count`` = its largest entry) -> [rows, hidden]."""
+        s = 1.0 / self.ep
+        w1, b1, w2, b2 = (scale_grad(p, s) for p in (self.w1, self.b1, self.w2, self.b2))
+        rows = x.shape[0]
+        local = torch.arange(self.num_local_experts, device=x.device)
+        expert = torch.repeat_interleave(local, counts, output_size=rows)  # each row's expert
+        dtype = compute_dtype(x)
+        use_gmm = self.matmul == "grouped_mm" or (
+            self.matmul == "auto" and grouped_mm_supported(x.device, dtype)
+        )
+        if use_gmm:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert
+            # _grouped_mm is on no autocast list: cast as autocast would for a matmul
+            with torch.autocast(x.device.type, enabled=False):
+                x, w1, b1, w2, b2 = (t.to(dtype) for t in (x, w1, b1, w2, b2))
+                h = self.activation(torch._grouped_mm(x, w1, offs=offs) + b1[expert])
+                return torch._grouped_mm(h, w2, offs=offs) + b2[expert]
+        # rows padded to the busiest expert: the capacity path's batched matmul, no dropping
+        start = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(rows, device=x.device) - start[expert]
+        padded = x.new_zeros(self.num_local_experts, max_count, x.shape[1])
+        padded = padded.index_put((expert, slot), x)
+        h = self.activation(torch.baddbmm(b1.unsqueeze(1), padded, w1))
+        return torch.baddbmm(b2.unsqueeze(1), h, w2)[expert, slot]
 
     def extra_repr(self) -> str:
         return (

@@ -1,6 +1,10 @@
 """MoeLayer: gate, route, dispatch to the experts over the EXPERT group, combine back (GShard).
 
-Per forward, with ``E`` experts, ``ep`` ranks per expert group and capacity ``C``:
+Two dispatches give the same result. ``dispatch="grouped"`` (the default) sorts the kept
+tokens by expert and sends only them, with uneven all-to-alls, into grouped matmuls
+(see ``dispatch.py``). ``dispatch="capacity"``, the original one, pads every expert to
+the capacity ``C`` and moves ``[E, C, d]`` slots; per forward, with ``E`` experts and
+``ep`` ranks per expert group:
 
     logits = gate(x)                        [T, E]
     dispatch, combine = router(logits)      [T, E, C]
@@ -24,8 +28,11 @@ from torch import Tensor, nn
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context, has_context
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.moe.dispatch import grouped_dispatch
 from gridtrain.parallel.moe.experts import Experts
-from gridtrain.parallel.moe.router import Router, RouterOutput
+from gridtrain.parallel.moe.router import Assignment, Router, RouterOutput
+
+DISPATCHES = ("grouped", "capacity")
 
 
 class MoeLayer(nn.Module):
@@ -38,6 +45,8 @@ class MoeLayer(nn.Module):
         experts: the ``Experts`` (built with the same ``num_experts``).
         aux_loss_coef / z_loss_coef: weights of the two losses in ``collect_aux_loss``.
         ctx: the parallel context (default: the current one; none means one process).
+        dispatch: ``"grouped"`` (tokens sorted by expert, grouped matmuls) or
+            ``"capacity"`` (``[E, capacity]`` slots, batched matmul); same results.
     """
 
     def __init__(
@@ -49,8 +58,12 @@ class MoeLayer(nn.Module):
         aux_loss_coef: float = 1e-2,
         z_loss_coef: float = 1e-3,
         ctx: ParallelContext | None = None,
+        dispatch: str = "grouped",
     ):
         super().__init__()
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"MoeLayer dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+        self.dispatch = dispatch
         self.gt_parallel = True
         if ctx is None and has_context():
             ctx = get_context()
@@ -93,18 +106,32 @@ class MoeLayer(nn.Module):
         return self.ctx.fork_rng(ParallelMode.DATA)
 
     def route(self, tokens: Tensor) -> RouterOutput:
-        """The router's decision for ``tokens`` [T, d]."""
+        """The router's decision for ``tokens`` [T, d], as capacity slots."""
         with self._noise_rng():
             logits = self.gate(self.router.noisy_input(tokens))
             return self.router(logits, self._agree_capacity)
 
+    def assign(self, tokens: Tensor) -> Assignment:
+        """The router's decision for ``tokens`` [T, d], one entry per (token, choice)."""
+        with self._noise_rng():
+            logits = self.gate(self.router.noisy_input(tokens))
+            return self.router.assign(logits, self._agree_capacity)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoeLayer expects [..., {self.hidden_size}], got {tuple(x.shape)}")
-        shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
+        if self.dispatch == "capacity":
+            return self._forward_capacity(tokens).reshape(x.shape)
+        a = self.assign(tokens)
+        group = self._group() if self.ep > 1 else None
+        out, dropped = grouped_dispatch(tokens, a, self.experts, group, self.ep)
+        self._record(a.aux_loss, a.z_loss, a.load, dropped)
+        return out.reshape(x.shape)
+
+    def _forward_capacity(self, tokens: Tensor) -> Tensor:
         routed = self.route(tokens)
-        self._record(routed)
+        self._record(routed.aux_loss, routed.z_loss, routed.load, routed.dropped)
         cap = routed.dispatch_mask.shape[-1]
         ep, local = self.ep, self.num_experts // self.ep
         # sparse dispatch: gather each kept (token, expert, slot) instead of multiplying by the
@@ -123,18 +150,17 @@ class MoeLayer(nn.Module):
         if ep > 1:  # each source's slots back to it, stacked by expert rank
             expert_out = comm.all_to_all(expert_out.contiguous(), 0, 0, self._group())
         expert_out = expert_out.reshape(self.num_experts * cap, self.hidden_size)
-        gate = routed.combine_weights[token, expert, slot].to(x.dtype).unsqueeze(1)
-        out = tokens.new_zeros(tokens.shape).index_add(0, token, gate * expert_out[flat])
-        return out.reshape(shape)
+        gate = routed.combine_weights[token, expert, slot].to(tokens.dtype).unsqueeze(1)
+        return tokens.new_zeros(tokens.shape).index_add(0, token, gate * expert_out[flat])
 
-    def _record(self, routed: RouterOutput) -> None:
-        loss = self.aux_loss_coef * routed.aux_loss
+    def _record(self, aux_loss: Tensor, z_loss: Tensor, load: Tensor, dropped: int) -> None:
+        loss = self.aux_loss_coef * aux_loss
         if self.router.use_z_loss:
-            loss = loss + self.z_loss_coef * routed.z_loss
+            loss = loss + self.z_loss_coef * z_loss
         self._losses.append(loss)
-        load = routed.load.clone()
+        load = load.clone()
         self.last_load = load if self.last_load is None else self.last_load + load
-        self.last_dropped += routed.dropped
+        self.last_dropped += dropped
 
     def reset(self) -> None:
         """Forget recorded losses, load and drops (a model calls this as its forward starts)."""
@@ -146,7 +172,10 @@ class MoeLayer(nn.Module):
         return losses
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden_size}, experts={self.num_experts}, ep={self.ep}"
+        return (
+            f"hidden={self.hidden_size}, experts={self.num_experts}, ep={self.ep}, "
+            f"dispatch={self.dispatch}"
+        )
 
 
 def moe_layers(model: nn.Module) -> list[MoeLayer]:

@@ -1,8 +1,10 @@
 """Top-k routers (Switch Transformer top-1, GShard top-2): which tokens go to which expert slot.
 
-A router maps gate logits ``[tokens, experts]`` to a dispatch mask and combine
-weights ``[tokens, experts, capacity]``. Each expert takes at most ``capacity``
-tokens per forward,
+A router maps gate logits ``[tokens, experts]`` to one entry per (token, choice):
+its expert, its slot in that expert's queue and its gate (``Router.assign``, what
+the grouped dispatch uses), or to a dispatch mask and combine weights
+``[tokens, experts, capacity]`` (``Router.forward``, the capacity dispatch). Each
+expert takes at most ``capacity`` tokens per forward,
 
     capacity = max(ceil(k * capacity_factor * tokens / experts), min_capacity),
 
@@ -35,6 +37,29 @@ class RouterOutput:
     z_loss: Tensor  # router z-loss (unweighted; 0 unless use_z_loss)
     load: Tensor  # [experts] tokens routed to each expert (all k choices), before dropping
     dropped: int  # token choices dropped for lack of capacity
+
+
+@dataclass
+class Assignment:
+    """A router's decision as one entry per (token, choice): top-1 choices of every token
+    first, then the top-2 ones, each in token order (GShard's slot order).
+
+    ``slot`` is the choice's place in its expert's queue; with a ``capacity`` the choices
+    at ``slot >= capacity`` are dropped, with None (``drop_tks=False``) none is.
+    """
+
+    token: Tensor  # [k * tokens] long
+    expert: Tensor  # [k * tokens] long
+    slot: Tensor  # [k * tokens] long
+    gate: Tensor  # [k * tokens] float32 gate value (differentiable)
+    capacity: int | None
+    aux_loss: Tensor
+    z_loss: Tensor
+    load: Tensor  # [experts] choices routed to each expert, before dropping
+
+    def kept_counts(self) -> Tensor:
+        """[experts] choices each expert keeps (its load, at most the capacity)."""
+        return self.load if self.capacity is None else self.load.clamp(max=self.capacity)
 
 
 def capacity(
@@ -125,11 +150,11 @@ class Router(nn.Module):
         """(probs, one-hot masks of the k choices, their gate values); subclasses define it."""
         raise NotImplementedError
 
-    def forward(self, logits: Tensor, agree_capacity=None) -> RouterOutput:
-        """Route ``logits`` [tokens, experts].
+    def assign(self, logits: Tensor, agree_capacity=None) -> Assignment:
+        """Route ``logits`` [tokens, experts] to one entry per (token, choice), no masks.
 
         ``agree_capacity(c) -> int`` makes every rank of an expert group use one
-        capacity (the all-to-all needs equal shapes); identity when None.
+        capacity; it is called only when tokens can be dropped.
         """
         if logits.dim() != 2:
             raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
@@ -141,29 +166,51 @@ class Router(nn.Module):
         z = router_z_loss(logits) if self.use_z_loss else logits.new_zeros((), dtype=torch.float32)
 
         # slot of each choice inside its expert: top-1 choices first, then top-2 (GShard)
-        locations, offset = [], torch.zeros(num_experts, dtype=torch.long, device=logits.device)
+        experts, slots = [], []
+        offset = torch.zeros(num_experts, dtype=torch.long, device=logits.device)
         for mask in masks:
+            expert = mask.argmax(dim=-1)  # the one-hot row's expert
             loc = torch.cumsum(mask, dim=0) - 1 + offset
-            locations.append(loc)
+            experts.append(expert)
+            slots.append(loc.gather(1, expert.unsqueeze(1)).squeeze(1))
             offset = offset + mask.sum(0)
+        cap = None
         if self.drop_tks:
             cap = self.capacity(num_tokens, num_experts)
-        else:  # room for the busiest expert's every token
-            cap = max(int(load.max().item()), 1)
-        cap = agree_capacity(cap) if agree_capacity is not None else cap
+            cap = agree_capacity(cap) if agree_capacity is not None else cap
+        token = torch.arange(num_tokens, device=logits.device).repeat(len(masks))
+        return Assignment(
+            token,
+            torch.cat(experts),
+            torch.cat(slots),
+            torch.cat(gates),
+            cap,
+            aux,
+            z,
+            load.detach(),
+        )
 
+    def forward(self, logits: Tensor, agree_capacity=None) -> RouterOutput:
+        """Route ``logits`` [tokens, experts] into capacity slots (the ``"capacity"`` dispatch).
+
+        ``agree_capacity(c) -> int`` makes every rank of an expert group use one
+        capacity (the all-to-all needs equal shapes); identity when None.
+        """
+        a = self.assign(logits, agree_capacity)
+        num_tokens, num_experts = logits.shape
+        cap = a.capacity
+        if cap is None:  # room for the busiest expert's every token
+            cap = max(int(a.load.max().item()), 1)
+            cap = agree_capacity(cap) if agree_capacity is not None else cap
+        kept = a.slot < cap
+        token, expert, slot = a.token[kept], a.expert[kept], a.slot[kept]
         combine = logits.new_zeros(num_tokens, num_experts, cap, dtype=torch.float32)
         dispatch = torch.zeros(num_tokens, num_experts, cap, dtype=torch.bool, device=logits.device)
-        dropped = 0
-        for mask, loc, gate in zip(masks, locations, gates, strict=True):
-            kept = mask * (loc < cap)
-            dropped += int((mask.sum() - kept.sum()).item())
-            # scatter the kept choices' gates into their slots (no dense one-hot products)
-            token, expert = kept.nonzero(as_tuple=True)
-            slot = loc[token, expert]
-            dispatch[token, expert, slot] = True
-            combine = combine.index_put((token, expert, slot), gate[token])
-        return RouterOutput(combine, dispatch, aux, z, load.detach(), dropped)
+        # scatter the kept choices' gates into their slots (no dense one-hot products)
+        dispatch[token, expert, slot] = True
+        combine = combine.index_put((token, expert, slot), a.gate[kept])
+        dropped = a.token.numel() - token.numel()
+        return RouterOutput(combine, dispatch, a.aux_loss, a.z_loss, a.load, dropped)
 
 
 class Top1Router(Router):
