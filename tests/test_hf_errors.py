@@ -41,7 +41,7 @@ def _tensor(size: int, mode: str, **kw) -> dict:
 )
 def test_heads_not_divisible_say_which_and_by_what(name, model_kw, config, words):
     world = config["parallel"]["tensor"]["size"]
-    results = run_distributed(_initialize_error, world, name, model_kw, config=config)
+    results = run_distributed(_initialize_error, world, name, model_kw, config=config, timeout=600)
     for kind, message in results:
         assert kind == "PlanError", message
         for w in words:
@@ -62,11 +62,11 @@ def _bloom_error(ctx):
 
 def test_model_without_plan_names_the_modules_needing_a_style():
     """Bloom has no _tp_plan and gridtrain has none: its fused query_key_value is not guessed."""
-    message = run_distributed(_bloom_error, 2, config=_tensor(2, "1d"))[0]
+    message = run_distributed(_bloom_error, 2, config=_tensor(2, "1d"), timeout=600)[0]
     assert "has no tensor plan" in message, message
     assert "transformer.h.0.self_attention.query_key_value" in message, message
     assert "parallel.tensor.plan" in message, message
-    message = run_distributed(_bloom_error, 2, config=_tensor(2, "sequence"))[0]
+    message = run_distributed(_bloom_error, 2, config=_tensor(2, "sequence"), timeout=600)[0]
     assert "AttentionInterface" in message and "ring attention" in message, message
 
 
@@ -90,10 +90,27 @@ def test_logits_are_gathered_by_default_and_sharded_ones_never_misread():
         want = torch.nn.functional.cross_entropy(
             ref(input_ids=x, attention_mask=m).logits.reshape(-1, VOCAB), y.reshape(-1)
         )
-    for width, loss in run_distributed(_logits, 2, None, config=_tensor(2, "1d")):
+    for width, loss in run_distributed(_logits, 2, None, config=_tensor(2, "1d"), timeout=600):
         assert width == VOCAB  # gathered: reshape(-1, V) is the dense layout
         assert loss == pytest.approx(want.item(), rel=1e-12)
     sharded = _tensor(2, "1d", plan={"lm_head": "vocab_parallel"})
-    for width, loss in run_distributed(_logits, 2, None, config=sharded):
+    for width, loss in run_distributed(_logits, 2, None, config=sharded, timeout=600):
         assert width == VOCAB // 2
         assert isinstance(loss, str) and "must be labels" in loss, loss  # an error, not a number
+
+
+def _labels_to_model(ctx):
+    model = tiny_model("llama")
+    engine, *_ = gt.initialize(model, adamw(model), lm_loss)
+    x, m, y = hf_batches(steps=1)[0]
+    try:
+        engine(input_ids=x, attention_mask=m, labels=y)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_sequence_refuses_labels_given_to_the_model():
+    """HF shifts labels= inside the model: across sequence shards that would be wrong."""
+    for message in run_distributed(_labels_to_model, 2, config=_tensor(2, "sequence"), timeout=600):
+        assert message is not None and "shift the labels yourself" in message, message

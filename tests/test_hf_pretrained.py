@@ -66,10 +66,10 @@ def _lazy_load(ctx, name: str, directory: str):
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_2d_to_hf_dir_to_3d_is_bit_identical(name, tmp_path):
     saved, files, _ = run_distributed(
-        _train_and_save, 4, name, str(tmp_path), "30KB", config=LAYOUT_2D, timeout=300
+        _train_and_save, 4, name, str(tmp_path), "30KB", config=LAYOUT_2D, timeout=600
     )[0]
     assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
-    results = run_distributed(_lazy_load, 8, name, str(tmp_path), config=LAYOUT_3D, timeout=300)
+    results = run_distributed(_lazy_load, 8, name, str(tmp_path), config=LAYOUT_3D, timeout=600)
     for rank, (loaded, _) in enumerate(results):
         assert loaded.keys() == saved.keys()
         for k, v in saved.items():
@@ -95,7 +95,7 @@ def test_2d_to_hf_dir_to_3d_is_bit_identical(name, tmp_path):
 def test_pipeline_save_writes_the_tied_weight_once_and_loads_in_transformers(tmp_path):
     """dp x 1d x pp: files per stage, written by each stage's ranks; the tie crosses stages."""
     saved, files, held = run_distributed(
-        _train_and_save, 8, "gpt2", str(tmp_path), "40KB", config=LAYOUT_1D_PP, timeout=300
+        _train_and_save, 8, "gpt2", str(tmp_path), "40KB", config=LAYOUT_1D_PP, timeout=600
     )[0]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"], "tied: saved under wte only, as HF does"
@@ -130,7 +130,7 @@ def test_transformers_save_pretrained_loads_into_dp_1d_pp(tmp_path):
             p.add_(torch.randn_like(p))
     hf.save_pretrained(tmp_path, max_shard_size="50KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    loaded = run_distributed(_load_hf_saved, 8, str(tmp_path), config=LAYOUT_1D_PP, timeout=300)
+    loaded = run_distributed(_load_hf_saved, 8, str(tmp_path), config=LAYOUT_1D_PP, timeout=600)
     for state in loaded:
         for k, v in hf.state_dict().items():
             assert torch.equal(state[k], v), k
@@ -152,7 +152,7 @@ def _load_expect_error(ctx, directory: str, hidden: int):
 def test_mismatching_directory_names_the_first_key_and_both_shapes(tmp_path):
     tiny_model("gpt2", n_embd=32).save_pretrained(tmp_path)  # hidden 32, the model has 64
     results = run_distributed(
-        _load_expect_error, 4, str(tmp_path), 64, config=LAYOUT_2D, timeout=300
+        _load_expect_error, 4, str(tmp_path), 64, config=LAYOUT_2D, timeout=600
     )
     for message, untouched in results:
         assert message is not None, "every rank raises"
@@ -160,7 +160,7 @@ def test_mismatching_directory_names_the_first_key_and_both_shapes(tmp_path):
         assert "(128, 32)" in message and "(128, 64)" in message, message
         assert untouched, "nothing half-loaded"
     (tmp_path / "model.safetensors").unlink()
-    results = run_distributed(_load_expect_error, 2, str(tmp_path), 64, config=dict(), timeout=300)
+    results = run_distributed(_load_expect_error, 2, str(tmp_path), 64, config=dict(), timeout=600)
     assert "neither model.safetensors.index.json nor model.safetensors" in results[0][0]
 
 
@@ -174,7 +174,7 @@ def test_missing_key_is_named(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     hf.config.save_pretrained(tmp_path)
     message, untouched = run_distributed(
-        _load_expect_error, 2, str(tmp_path), 64, config=dict(), timeout=300
+        _load_expect_error, 2, str(tmp_path), 64, config=dict(), timeout=600
     )[0]
     assert "'transformer.h.1.mlp.c_fc.weight' is missing" in message and untouched, message
 
@@ -205,7 +205,9 @@ def test_single_process_round_trip_without_a_context(tmp_path):
 def test_sequence_layout_saves_a_plain_config(tmp_path):
     """Ring attention is a runtime choice: the saved config loads without gridtrain."""
     config = dict(parallel=dict(tensor=dict(size=2, mode="sequence")))
-    saved = run_distributed(_train_and_save, 2, "llama", str(tmp_path), config=config)[0][0]
+    saved = run_distributed(_train_and_save, 2, "llama", str(tmp_path), config=config, timeout=600)[
+        0
+    ][0]
     text = (tmp_path / "config.json").read_text()
     assert "gridtrain" not in text, text
     import transformers as tf

@@ -13,7 +13,9 @@ and switches the model to it, so the model's own code runs ring attention:
 * the attention function repeats grouped key/value heads (GQA) and calls
   ``gridtrain.parallel.tensor.sequence.ring_attention``;
 * a forward pre-hook passes ``position_ids`` starting at this rank's offset
-  (``gt.nn.position_ids``), so learned (GPT-2) and rotary (Llama) positions are global.
+  (``gt.nn.position_ids``), so learned (GPT-2) and rotary (Llama) positions are global,
+  and refuses ``labels=``: HF's loss shifts labels by one inside the model, which would
+  cross shards; labels are shifted by the user before the batch is split.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ def install(model: nn.Module, ctx: ParallelContext) -> None:
 
 def _global_positions(ctx: ParallelContext):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if kwargs.get("labels") is not None:
+            raise ValueError(
+                "sequence parallelism: do not pass labels= to the model (its internal shift "
+                "would cross shards); shift the labels yourself and give them to "
+                "engine.criterion(out, labels)"
+            )
         if kwargs.get("position_ids") is not None:
             return None  # given by the user: split with the batch like every [B, S] tensor
         tokens = kwargs.get("input_ids", args[0] if args else None)
