@@ -316,10 +316,10 @@ def largest(args) -> None:
         layers, width, heads = sizes[name]
         params = gpt_config(layers, width, heads, args.seq_len, args.vocab).num_params()
         if row is None:
-            print(f"| {name} | {params / 1e9:.2f}B | {why} | - | - |")
+            print(f"| {name} | {params / 1e6:,.0f}M | {why} | - | - |")
             break
         gib = f"{row['gpu_gib']:.1f}" if row["gpu_gib"] is not None else "-"
-        print(f"| {name} | {params / 1e9:.2f}B | trains | {row['tok_s']:.0f} | {gib} |")
+        print(f"| {name} | {params / 1e6:,.0f}M | trains | {row['tok_s']:.0f} | {gib} |")
 
 
 def _failure(out: subprocess.CompletedProcess) -> str:

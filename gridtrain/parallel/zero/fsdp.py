@@ -36,6 +36,7 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
@@ -176,6 +177,10 @@ class FsdpZero:
         if policy is not None:
             kwargs["offload_policy"] = policy
         fully_shard(module, **kwargs)
+        # other entry points than forward (Experts.forward_grouped) gather and free alike
+        for name in dir(type(module)):
+            if name.startswith("forward_") and callable(getattr(module, name)):
+                register_fsdp_forward_method(module, name)
         managed.update(id(p) for p in params)
 
     def _set_sync(self, on: bool) -> None:
