@@ -75,9 +75,7 @@ def units(model: nn.Module) -> list[nn.Module]:
     chosen: list[nn.Module] = []
 
     def tied(child: nn.Module, prefix: str) -> bool:
-        return any(
-            not n.startswith(prefix + ".") for p in child.parameters() for n in where[id(p)]
-        )
+        return any(not n.startswith(prefix + ".") for p in child.parameters() for n in where[id(p)])
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
