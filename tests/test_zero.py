@@ -28,13 +28,13 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
-def _model(dtype=torch.float64):
-    return seeded(lambda: TinyTransformer(vocab=VOCAB, hidden=HIDDEN, seq=SEQ), 0, dtype)
+def _model(dtype=torch.float64, tie=False):
+    return seeded(lambda: TinyTransformer(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, tie=tie), 0, dtype)
 
 
-def _dense(batches, clip=0.0, accumulation=1):
+def _dense(batches, clip=0.0, tie=False):
     """One process, plain PyTorch: losses and final state."""
-    model = _model()
+    model = _model(tie=tie)
     opt = _adamw(model)
     losses = []
     for x, y in batches:
@@ -50,8 +50,8 @@ def _dense(batches, clip=0.0, accumulation=1):
 
 def _train(ctx, batches, dtype=torch.float64, inject_at=None):
     """Train through gt.initialize; per rank: losses, full state, optimizer-state elements,
-    skipped flags, loss scales."""
-    model = _model(dtype)
+    skipped flags, loss scales. ``TIE = True`` in the config ties the head to the embedding."""
+    model = _model(dtype, tie=getattr(ctx.config, "TIE", False))
     x0 = dp_rows(batches[0][0], ctx)
     engine, *_ = gt.initialize(model, _adamw(model), lm_loss, example_inputs=x0)
     accumulation = ctx.config.gradient_accumulation
@@ -127,6 +127,12 @@ LAYOUTS = {
     "dp2-pp2-stage1": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=1), 0.0),
     "dp2-pp2-stage2": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=2), 0.0),
     "dp2-pp2-stage3": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=3), 0.0),
+    # the tied embedding and head live on two stages: their bucket waits for the handler
+    "dp2-pp2-tied-stage2": (
+        4,
+        dict(parallel=dict(pipeline=2), num_microbatches=2, zero=2, TIE=True),
+        0.0,
+    ),
     "dp4-stage2-accumulate2": (4, dict(zero=2, gradient_accumulation=2), 0.0),
     "dp4-stage3-accumulate2": (4, dict(zero=3, gradient_accumulation=2), 0.0),
     "dp4-stage2-clip": (4, dict(zero=2, clip_grad_norm=CLIP), CLIP),
@@ -138,7 +144,7 @@ LAYOUTS = {
 def test_zero_equals_one_process(name):
     world, config, clip = LAYOUTS[name]
     batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    d_losses, d_final = _dense(batches, clip)
+    d_losses, d_final = _dense(batches, clip, tie=config.get("TIE", False))
     results = run_distributed(_train, world, batches, config=config, timeout=300)
     # float64: sharded sums only reorder additions (<= 1e-15 relative); AdamW divides by
     # sqrt(v) + 1e-8, so a 1e-16 gradient difference on a near-zero gradient can move a
