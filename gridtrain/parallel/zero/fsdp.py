@@ -138,7 +138,7 @@ class FsdpZero:
         rebind_optimizer(optimizer, new_of)
         self._set_sync(False)  # backwards outside the window's last one accumulate locally
         for m in self.fsdp_modules:  # experts: ranks may route no token to some of them
-            if hasattr(m, "set_reduce_scatter_unused_params"):  # torch >= 2.10
+            if hasattr(m, "set_reduce_scatter_unused_params"):  # not in older torch
                 m.set_reduce_scatter_unused_params(True, recurse=False)
         logger.info(
             "zero stage 3 (FSDP2): %d units, mixed precision %s, offload %s",
