@@ -68,7 +68,12 @@ def _train(ctx, batches):
             if (info := get_zero_rows(p)) is not None
         }
     )
-    return losses, full_model_state(engine.model, ctx), optimizer_state_numel(engine.optimizer), modes
+    return (
+        losses,
+        full_model_state(engine.model, ctx),
+        optimizer_state_numel(engine.optimizer),
+        modes,
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
