@@ -3,7 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine_models import dense_state, dense_train, global_batches, rank_slice, sgd, sharded_model
+from helpers.engine_models import (
+    dense_state,
+    dense_train,
+    global_batches,
+    rank_slice,
+    sgd,
+    sharded_model,
+)
 from helpers.harness import run_distributed
 
 import gridtrain as gt

@@ -161,9 +161,7 @@ def _tp_run(ctx, cfg, batches):
     """The demo model sharded by gt.initialize; plain AdamW loop through the engine."""
     model = gpt_model.GPT(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    engine, *_ = gt.initialize(
-        model, opt, gpt_model.GPTLoss(), example_inputs=batches[0][:, :-1]
-    )
+    engine, *_ = gt.initialize(model, opt, gpt_model.GPTLoss(), example_inputs=batches[0][:, :-1])
     init = gt.full_state_dict(engine.model)
     kinds = {n: type(engine.model.get_submodule(n)).__name__ for n in ("h0.attn.qkv", "h0.mlp.fc2")}
     losses, first_grads = [], None

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers.harness import run_distributed
 
-from gridtrain.parallel.tensor.sequence.ring_attention import _keep_mask
 from gridtrain.parallel.tensor.sequence import ring_attention
+from gridtrain.parallel.tensor.sequence.ring_attention import _keep_mask
 
 B, H, S, D = 2, 2, 8, 4
 MASKS = ("none", "causal", "padding", "causal+padding")

@@ -75,7 +75,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cross_entropy_equals_torch_in_every_mode(layout):
     world, tensor = LAYOUTS[layout]
-    for rank, errs in enumerate(run_distributed(_run, world, config=dict(parallel=dict(tensor=tensor)))):
+    for rank, errs in enumerate(
+        run_distributed(_run, world, config=dict(parallel=dict(tensor=tensor)))
+    ):
         assert errs.pop("accuracy") == 0.0, rank
         for what, err in errs.items():
             # float32 logsumexp from per-rank partial sums and sums over row blocks: reordered
