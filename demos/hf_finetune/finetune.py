@@ -53,8 +53,8 @@ ARGS = [
     ("pretrained_path", "PRETRAINED_PATH", str, None, "local HF directory (made if empty)"),
     ("target_acc", "TARGET_ACC", float, None, "fail unless the test accuracy reaches this"),
     ("target_f1", "TARGET_F1", float, None, "fail unless the test F1 of 'C' spans reaches this"),
-    ("steps", "FT_STEPS", int, 300, "fine-tuning optimizer steps"),
-    ("lr", "LR", float, 1e-3, "fine-tuning peak learning rate (AdamW, warm-up, linear decay)"),
+    ("steps", "FT_STEPS", int, None, "fine-tuning optimizer steps (default: gpt2 300, llama 600)"),
+    ("lr", "LR", float, None, "fine-tuning peak learning rate (default: gpt2 1e-3, llama 3e-3)"),
     ("batch_size", "GLOBAL_BATCH_SIZE", int, 16, "sequences per step over all data ranks"),
     ("seq_len", "SEQ_LEN", int, 64, "bytes per sequence"),
     ("pretrain_steps", "PRETRAIN_STEPS", int, 600, "next-byte steps when no weights exist"),
@@ -77,6 +77,11 @@ def parse_args(config, argv=None) -> argparse.Namespace:
         raise SystemExit(f"--model_type must be gpt2 or llama, got {args.model_type!r}")
     if not args.pretrained_path:
         raise SystemExit("--pretrained_path DIR is required (it is made when empty)")
+    # tuned on one process: the tiny Llama (no position table) needs a larger step, longer
+    if args.lr is None:
+        args.lr = {"gpt2": 1e-3, "llama": 3e-3}[args.model_type]
+    if args.steps is None:
+        args.steps = {"gpt2": 300, "llama": 600}[args.model_type]
     return args
 
 
