@@ -1,0 +1,48 @@
+"""What the one-GPU tests share: the device they run on and how errors are measured."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # demos.gpt
+    sys.path.insert(0, str(REPO))
+
+DEVICE_ENV = "GT_TEST_DEVICE"
+
+
+def device_kind() -> str:
+    """'cuda' (the default) or 'cpu' (``GT_TEST_DEVICE=cpu``: debugging without a GPU)."""
+    kind = os.environ.get(DEVICE_ENV, "cuda").lower()
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"{DEVICE_ENV} must be 'cuda' or 'cpu', got {kind!r}")
+    return kind
+
+
+ON_CUDA = device_kind() == "cuda"
+
+
+def is_hopper() -> bool:
+    """CUDA compute capability >= 9.0 (H100/H200): where ``torch._grouped_mm`` runs."""
+    return ON_CUDA and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def rel_err(got: Tensor, want: Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64 on the CPU (0 when both are 0)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, (tuple(got.shape), tuple(want.shape))
+    den = want.norm().item()
+    num = (got - want).norm().item()
+    return num / den if den > 0 else num
+
+
+def max_abs(got: Tensor, want: Tensor) -> float:
+    """Largest absolute difference, in float64 on the CPU."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, (tuple(got.shape), tuple(want.shape))
+    return (got - want).abs().max().item()

@@ -1,0 +1,69 @@
+"""``chunked_loss`` on one device: the head and its cross entropy in token chunks give the
+unfused path's losses and gradients, in fp32 and under bf16 autocast (the case that
+matters on a GPU), both engines on the same device from the same weights and batches."""
+
+from __future__ import annotations
+
+import pytest
+from gpt_runs import BATCH, SEQ, batches, make_engine
+from gpu_env import max_abs, rel_err
+
+import gridtrain as gt
+from gridtrain.amp import AMP_TYPE
+from gridtrain.parallel.sharding import unwrap
+from gridtrain.parallel.tensor.chunked_loss import DeferredLogits
+
+CHUNK_TOKENS = BATCH * SEQ // 4  # 4 chunks per batch
+
+
+def _run(launch, device, chunked: bool, fp16):
+    """Losses of every step, first-step gradients by name, and whether logits were deferred."""
+    config = dict(fp16=fp16) if fp16 else {}
+    if chunked:
+        config["chunked_loss"] = dict(chunk_tokens=CHUNK_TOKENS)
+    launch(config)
+    data = batches()
+    engine = make_engine(example_inputs=data[0][0])  # chunked_loss traces the head with it
+    losses, grads, deferred = [], None, []
+    for x, y in data:
+        x, y = x.to(device), y.to(device)
+        engine.zero_grad()
+        out = engine(x)
+        deferred.append(isinstance(out, DeferredLogits))
+        loss = engine.criterion(out, y)
+        engine.backward(loss)
+        if grads is None:
+            named = unwrap(engine.model).named_parameters()
+            grads = {n: p.grad.detach().float().cpu().clone() for n, p in named}
+        assert engine.step()
+        losses.append(loss.item())
+    gt.destroy()  # the next run launches its own context
+    return losses, grads, deferred
+
+
+# mode -> (fp16 section, loss tolerance, gradient tolerance ||g - g_ref|| / ||g_ref||)
+MODES = {
+    # fp32: the same per-token products; only the order of the loss and head-gradient sums
+    # over tokens changes (4 chunks), ~1e-7 relative
+    "fp32": (None, 1e-5, 1e-4),
+    # bf16: the unfused head-weight gradient is one bf16 GEMM output (one rounding of the
+    # whole sum), the chunked one 4 bf16 partial sums added in fp32: ~2^-8 relative apart
+    "bf16": (dict(mode=AMP_TYPE.BF16), 1e-3, 2e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_chunked_loss_equals_unfused_loss(name, launch, device):
+    fp16, loss_tol, grad_tol = MODES[name]
+    ref_losses, ref_grads, ref_deferred = _run(launch, device, False, fp16)
+    losses, grads, deferred = _run(launch, device, True, fp16)
+    assert not any(ref_deferred) and all(deferred), "only chunked_loss defers the logits"
+    print(f"\n{name}: chunked {losses}\n  unfused {ref_losses}")
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) < loss_tol, (name, step, got, want)
+    assert grads.keys() == ref_grads.keys()
+    errs = {k: rel_err(grads[k], ref_grads[k]) for k in grads}
+    worst = max(errs, key=errs.get)
+    print(f"  worst gradient error {worst}: {errs[worst]:.2e}")
+    for k, err in errs.items():
+        assert err < grad_tol, (name, k, err, max_abs(grads[k], ref_grads[k]))
