@@ -8,7 +8,7 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c GPU)
 NPROC ?= $(if $(filter 0,$(GPUS)),8,$(if $(shell test $(GPUS) -ge 8 && echo y),8,1))
 DEMO_CONFIG ?= $(if $(filter 8,$(NPROC)),demos/gpt/configs/demo.py,demos/gpt/configs/demo_gpu1.py)
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test test-gpu lint format venv clean
 
 $(STAMP): requirements.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
+
+## make test-gpu: the CUDA paths on one GPU (tests/gpu); every test skips without CUDA
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/gpu
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -49,9 +49,10 @@ def initial_params() -> dict[str, Tensor]:
     return {n: p.detach().double() for n, p in gpt_model.GPT(CFG).named_parameters()}
 
 
-def make_engine(**init_kw):
-    """``gt.initialize`` of the fp32 GPT with momentum SGD, on the current context."""
-    model = gpt_model.GPT(CFG)
+def make_engine(model=None, **init_kw):
+    """``gt.initialize`` of ``model`` (default: the fp32 GPT) with momentum SGD and the GPT's
+    loss, on the current context."""
+    model = gpt_model.GPT(CFG) if model is None else model
     engine, *_ = gt.initialize(model, sgd(model.parameters()), gpt_model.GPTLoss(), **init_kw)
     return engine
 
@@ -68,6 +69,25 @@ def train(engine, data, device):
         stepped = engine.step()
         record.append((loss.item(), stepped, getattr(out, "dtype", None)))
     return record
+
+
+def train_with_grads(engine, data, device):
+    """Train through the engine; returns the losses, the first step's gradients by name (as
+    backward left them, before the step) and each step's forward output."""
+    losses, grads, outs = [], None, []
+    for x, y in data:
+        x, y = x.to(device), y.to(device)
+        engine.zero_grad()
+        out = engine(x)
+        outs.append(out)
+        loss = engine.criterion(out, y)
+        engine.backward(loss)
+        if grads is None:
+            named = unwrap(engine.model).named_parameters()
+            grads = {n: p.grad.detach().float().cpu().clone() for n, p in named}
+        assert engine.step(), "every step is taken"
+        losses.append(loss.item())
+    return losses, grads, outs
 
 
 def params(engine) -> dict[str, Tensor]:

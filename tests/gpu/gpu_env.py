@@ -46,3 +46,19 @@ def max_abs(got: Tensor, want: Tensor) -> float:
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert got.shape == want.shape, (tuple(got.shape), tuple(want.shape))
     return (got - want).abs().max().item()
+
+
+def rel_errs(got: dict[str, Tensor], want: dict[str, Tensor], floor: float = 1e-6) -> dict:
+    """``rel_err`` per key, each relative to at least ``floor`` x the norm of all of ``want``.
+
+    A tensor whose exact value is zero holds only rounding noise in both runs (the key
+    projection's bias: softmax ignores a constant added to a row of scores, so its gradient
+    is 0), and its own norm would divide noise by noise.
+    """
+    total = torch.cat([w.detach().double().cpu().flatten() for w in want.values()]).norm().item()
+    out = {}
+    for k, w in want.items():
+        g, w = got[k].detach().double().cpu(), w.detach().double().cpu()
+        assert g.shape == w.shape, (k, tuple(g.shape), tuple(w.shape))
+        out[k] = (g - w).norm().item() / max(w.norm().item(), floor * total)
+    return out

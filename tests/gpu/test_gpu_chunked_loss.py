@@ -5,12 +5,11 @@ matters on a GPU), both engines on the same device from the same weights and bat
 from __future__ import annotations
 
 import pytest
-from gpt_runs import BATCH, SEQ, batches, make_engine
-from gpu_env import max_abs, rel_err
+from gpt_runs import BATCH, SEQ, batches, make_engine, train_with_grads
+from gpu_env import max_abs, rel_errs
 
 import gridtrain as gt
 from gridtrain.amp import AMP_TYPE
-from gridtrain.parallel.sharding import unwrap
 from gridtrain.parallel.tensor.chunked_loss import DeferredLogits
 
 CHUNK_TOKENS = BATCH * SEQ // 4  # 4 chunks per batch
@@ -24,19 +23,8 @@ def _run(launch, device, chunked: bool, fp16):
     launch(config)
     data = batches()
     engine = make_engine(example_inputs=data[0][0])  # chunked_loss traces the head with it
-    losses, grads, deferred = [], None, []
-    for x, y in data:
-        x, y = x.to(device), y.to(device)
-        engine.zero_grad()
-        out = engine(x)
-        deferred.append(isinstance(out, DeferredLogits))
-        loss = engine.criterion(out, y)
-        engine.backward(loss)
-        if grads is None:
-            named = unwrap(engine.model).named_parameters()
-            grads = {n: p.grad.detach().float().cpu().clone() for n, p in named}
-        assert engine.step()
-        losses.append(loss.item())
+    losses, grads, outs = train_with_grads(engine, data, device)
+    deferred = [isinstance(out, DeferredLogits) for out in outs]
     gt.destroy()  # the next run launches its own context
     return losses, grads, deferred
 
@@ -62,7 +50,7 @@ def test_chunked_loss_equals_unfused_loss(name, launch, device):
     for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
         assert abs(got - want) < loss_tol, (name, step, got, want)
     assert grads.keys() == ref_grads.keys()
-    errs = {k: rel_err(grads[k], ref_grads[k]) for k in grads}
+    errs = rel_errs(grads, ref_grads)
     worst = max(errs, key=errs.get)
     print(f"  worst gradient error {worst}: {errs[worst]:.2e}")
     for k, err in errs.items():
