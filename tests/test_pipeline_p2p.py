@@ -211,3 +211,87 @@ def test_receive_buffers_are_contiguous_for_view_outputs():
         )
     ):
         assert seen and all(seen), (rank, seen)
+
+
+# ---- keyed streams: one shape header per step ------------------------------------------------
+def _keyed(ctx):
+    p2p = PipelineP2P(ctx)
+    got = []
+    for step, rows in enumerate((3, 5)):  # a new step may bring new shapes (a smaller batch)
+        p2p.new_step()
+        rounds = p2p.rounds
+        if ctx.global_rank == 0:
+            for i in range(3):
+                p2p.communicate(
+                    send_next=(torch.full((rows, 2), float(i)), torch.ones(rows)), send_key=1
+                )
+            if step == 1:
+                with pytest.raises(ValueError, match="changed within one step"):
+                    p2p.communicate(
+                        send_next=(torch.zeros(rows + 1, 2), torch.ones(rows)), send_key=1
+                    )
+        else:
+            for _ in range(3):
+                x, mask = p2p.communicate(recv_prev=True, recv_key=1)[0]
+                got.append((tuple(x.shape), x[0, 0].item(), tuple(mask.shape)))
+        got.append(p2p.rounds - rounds)
+    return got
+
+
+def test_keyed_stream_sends_its_shapes_once_per_step():
+    sender, receiver = run_distributed(_keyed, 2, config=dict(parallel=dict(pipeline=2)))
+    # the header rides in the sender's data batch; the receiver waits one round for it
+    assert sender == [3, 3]
+    assert receiver == [
+        ((3, 2), 0.0, (3,)),
+        ((3, 2), 1.0, (3,)),
+        ((3, 2), 2.0, (3,)),
+        4,
+        ((5, 2), 0.0, (5,)),
+        ((5, 2), 1.0, (5,)),
+        ((5, 2), 2.0, (5,)),
+        4,
+    ]
+
+
+def _train_rounds(ctx, batches):
+    """Losses of ``_views_train`` and the p2p rounds of each step."""
+    rounds, real = [], PipelineP2P.new_step
+
+    def counting(self):
+        rounds.append(self.rounds)
+        real(self)
+
+    PipelineP2P.new_step = counting
+    try:
+        losses = _views_train(ctx, batches)
+    finally:
+        PipelineP2P.new_step = real
+    return losses, [b - a for a, b in zip(rounds, rounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("name", ["pp2", "interleaved"])
+def test_batch_size_may_change_between_steps(name):
+    """The last batch of an epoch may be smaller: each step sends its shapes once."""
+    world, config = VIEW_LAYOUTS[name]
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        (torch.randint(0, V, (n, S), generator=g), torch.randint(0, V, (n, S), generator=g))
+        for n in (8, 4, 8, 6)
+    ]
+    model, dense = _views_model(), []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _views_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        dense.append(loss.item())
+    results = run_distributed(
+        _train_rounds, world, batches, config=dict(config, num_microbatches=2), timeout=300
+    )
+    for losses, rounds in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(dense), rtol=1e-5, atol=1e-5)
+        assert len(set(rounds)) == 1, rounds  # no step pays for the shapes more than once
+    if name == "pp2":  # m = 2: stage 0 three exchanges; stage 1 four and one header round
+        assert [r[1][0] for r in results] == [3, 4]

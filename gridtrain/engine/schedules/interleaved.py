@@ -81,16 +81,25 @@ class InterleavedPipelineSchedule(PipelineSchedule):
             x, y, g = inputs[chunk].pop(0), outputs[chunk].pop(0), grads[chunk].pop(0)
             return self._backward(x, y, g, final=final)
 
-        inputs[0].append(None if first_rank else self.p2p.communicate(recv_prev=True)[0])
+        def comm(fwd_chunk: int = 0, next_fwd: int = 0, **kw) -> tuple[Payload, Payload]:
+            # the activation streams: out of fwd_chunk, into next_fwd (shapes once a step)
+            return self.p2p.communicate(
+                send_key=self._send_key(fwd_chunk), recv_key=self._recv_key(next_fwd), **kw
+            )
+
+        inputs[0].append(None if first_rank else comm(recv_prev=True)[0])
         for k in range(warmup):
             y = forward(k)
+            chunk = self._chunk_id(k, forward=True)
             next_chunk = self._chunk_id(k + 1, forward=True)
             recv_prev = not (first_rank and next_chunk == 0) and k != total - 1
-            if self._is_last(self._chunk_id(k, forward=True)):
+            if self._is_last(chunk):
                 y = None
             if k == warmup - 1 and not forward_only and not all_warmup:
                 recv_next = not last_rank
-                x, g = self.p2p.communicate(
+                x, g = comm(
+                    chunk,
+                    next_chunk,
                     send_next=y,
                     recv_prev=recv_prev,
                     recv_next_like=like(v - 1) if recv_next else None,
@@ -98,7 +107,7 @@ class InterleavedPipelineSchedule(PipelineSchedule):
                 if recv_next:
                     grads[v - 1].append(g)
             else:
-                x = self.p2p.communicate(send_next=y, recv_prev=recv_prev)[0]
+                x = comm(chunk, next_chunk, send_next=y, recv_prev=recv_prev)[0]
             if recv_prev:
                 inputs[next_chunk].append(x)
 
@@ -106,7 +115,8 @@ class InterleavedPipelineSchedule(PipelineSchedule):
             fk, bk = k + warmup, k
             y = forward(fk)
             grad_x = backward(bk, final=False)
-            if self._is_last(self._chunk_id(fk, forward=True)):
+            chunk = self._chunk_id(fk, forward=True)
+            if self._is_last(chunk):
                 y = None
             if self._is_first(self._chunk_id(bk, forward=False)):
                 grad_x = None
@@ -126,7 +136,9 @@ class InterleavedPipelineSchedule(PipelineSchedule):
                 next_bwd = self._chunk_id(bk + 1, forward=False)
             if k == remaining - 1:
                 recv_prev = False
-            x, g = self.p2p.communicate(
+            x, g = comm(
+                chunk,
+                next_fwd,
                 send_next=y,
                 send_prev=grad_x,
                 recv_prev=recv_prev,
@@ -140,18 +152,14 @@ class InterleavedPipelineSchedule(PipelineSchedule):
         if forward_only:
             return
         if all_warmup:
-            grads[v - 1].append(
-                None if last_rank else self.p2p.communicate(recv_next_like=like(v - 1))[1]
-            )
+            grads[v - 1].append(None if last_rank else comm(recv_next_like=like(v - 1))[1])
         for k in range(remaining, total):
             grad_x = backward(k, final=k == total - 1)
             if self._is_first(self._chunk_id(k, forward=False)):
                 grad_x = None
             next_bwd = self._chunk_id(k + 1, forward=False)
             recv_next = not (last_rank and next_bwd == v - 1) and k != total - 1
-            g = self.p2p.communicate(
-                send_prev=grad_x, recv_next_like=like(next_bwd) if recv_next else None
-            )[1]
+            g = comm(send_prev=grad_x, recv_next_like=like(next_bwd) if recv_next else None)[1]
             grads[next_bwd].append(g)
 
 

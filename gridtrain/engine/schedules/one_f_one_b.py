@@ -13,6 +13,7 @@ the micro-batches (broadcast from the last stage). The loop follows Megatron-LM'
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -110,6 +111,7 @@ class PipelineSchedule:
             raise ValueError(
                 "pipeline training needs a criterion: gt.initialize(..., criterion=...)"
             )
+        self.p2p.new_step()  # activation shapes go once per step and stream, not per message
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             self._run(forward_only)
         loss = self._reduce_loss() if return_loss else None
@@ -124,15 +126,18 @@ class PipelineSchedule:
         first, last = stage == 0, stage == p - 1
         inputs: list[Payload] = []
         outputs: list[Payload] = []
+        comm = functools.partial(
+            self.p2p.communicate, send_key=self._send_key(0), recv_key=self._recv_key(0)
+        )
         for _ in range(warmup):
-            x = None if first else self.p2p.communicate(recv_prev=True)[0]
+            x = None if first else comm(recv_prev=True)[0]
             y = self._forward(x, chunk=0)
             if not last:
-                self.p2p.communicate(send_next=y)
+                comm(send_next=y)
             if not forward_only:
                 inputs.append(x)
                 outputs.append(y)
-        x = None if first or not remaining else self.p2p.communicate(recv_prev=True)[0]
+        x = None if first or not remaining else comm(recv_prev=True)[0]
         for i in range(remaining):
             is_last_iter = i == remaining - 1
             y = self._forward(x, chunk=0)
@@ -140,22 +145,22 @@ class PipelineSchedule:
             outputs.append(y)
             grad_y = None
             if not last:
-                grad_y = self.p2p.communicate(send_next=y, recv_next_like=outputs[0])[1]
+                grad_y = comm(send_next=y, recv_next_like=outputs[0])[1]
             x_b, y_b = inputs.pop(0), outputs.pop(0)
             grad_x = self._backward(x_b, y_b, grad_y, final=is_last_iter and warmup == 0)
             if first:
                 x = None
             elif is_last_iter:
-                self.p2p.communicate(send_prev=grad_x)
+                comm(send_prev=grad_x)
             else:
-                x = self.p2p.communicate(send_prev=grad_x, recv_prev=True)[0]
+                x = comm(send_prev=grad_x, recv_prev=True)[0]
         if not forward_only:
             for i in range(warmup):
                 x_b, y_b = inputs.pop(0), outputs.pop(0)
-                grad_y = None if last else self.p2p.communicate(recv_next_like=y_b)[1]
+                grad_y = None if last else comm(recv_next_like=y_b)[1]
                 grad_x = self._backward(x_b, y_b, grad_y, final=i == warmup - 1)
                 if not first:
-                    self.p2p.communicate(send_prev=grad_x)
+                    comm(send_prev=grad_x)
 
     # ---- helpers shared with the interleaved schedule ------------------------------------
     def _is_first(self, chunk: int = 0) -> bool:
@@ -168,6 +173,14 @@ class PipelineSchedule:
 
     def _num_chunks(self) -> int:
         return 1
+
+    def _send_key(self, chunk: int) -> int:
+        """The activation stream ``chunk`` sends on: the virtual stage that receives it."""
+        return chunk * self.num_stages + self.stage + 1
+
+    def _recv_key(self, chunk: int) -> int:
+        """The activation stream ``chunk`` receives on: its own virtual stage."""
+        return chunk * self.num_stages + self.stage
 
     @contextlib.contextmanager
     def _timed(self):

@@ -8,15 +8,24 @@ wraps round, which the interleaved schedule needs (last stage -> first stage).
 
 The receiver of an activation does not know its shape, so unless a fixed
 ``tensor_shape`` is configured, the sender first sends a small int64 header
-(number of tensors, and per tensor its dtype, rank and sizes). Gradients need
-no header: they have the shapes of the activations their receiver sent.
-A stage may pass a tuple of tensors (e.g. hidden states and a mask); only
-floating tensors carry gradients back.
+(number of tensors, and per tensor its dtype, rank and sizes). Receiving a
+header costs a round of its own (the data buffers are posted only once it is
+in), and on gloo each round is a thread wake-up on both sides. The micro-batches
+of one step are equal slices of the batch, so their activations have equal
+shapes: the schedules name each activation stream (``send_key``/``recv_key``,
+the virtual stage that receives it) and a keyed stream carries its header with
+its first message after ``new_step()`` only; later messages of the step reuse
+the shapes. Unkeyed messages always carry a header. A header that is sent but
+none received this exchange goes in the data batch (no round of its own).
+Gradients need no header: they have the shapes of the activations their
+receiver sent. A stage may pass a tuple of tensors (e.g. hidden states and a
+mask); only floating tensors carry gradients back.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +35,7 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 
 Payload = Tensor | tuple[Tensor, ...] | None
+Spec = tuple[list[tuple[torch.Size, torch.dtype]], bool]  # (shape, dtype) per tensor, is_tuple
 
 MAX_TENSORS = 8
 MAX_DIMS = 8
@@ -73,7 +83,7 @@ def _encode(tensors: tuple[Tensor, ...], is_tuple: bool, device: torch.device) -
     return header.to(device)
 
 
-def _decode(header: Tensor) -> tuple[list[tuple[torch.Size, torch.dtype]], bool]:
+def _decode(header: Tensor) -> Spec:
     h = header.tolist()
     specs = []
     for i in range(h[0]):
@@ -86,11 +96,16 @@ def _decode(header: Tensor) -> tuple[list[tuple[torch.Size, torch.dtype]], bool]
 _WARMED: weakref.WeakSet = weakref.WeakSet()
 
 
+def _spec(tensors: tuple[Tensor, ...], is_tuple: bool) -> Spec:
+    return [(getattr(t, "shape", None), getattr(t, "dtype", None)) for t in tensors], is_tuple
+
+
 class PipelineP2P:
     """Sends and receives between this rank and its pipeline neighbours.
 
     ``tensor_shape`` (``parallel.pipeline.tensor_shape``) skips the header: every
-    activation then has that shape and is sent as ``dtype``.
+    activation then has that shape and is sent as ``dtype``. ``rounds`` counts the
+    ``batch_isend_irecv`` calls (each waits for a message), for benchmarks.
     """
 
     def __init__(
@@ -106,16 +121,43 @@ class PipelineP2P:
         self.device = ctx.device
         self.tensor_shape = tuple(tensor_shape) if tensor_shape else None
         self.dtype = dtype
+        self.rounds = 0
+        self._sent: dict[Hashable, Spec] = {}  # send_key -> shapes whose header went this step
+        self._received: dict[Hashable, Spec] = {}  # recv_key -> shapes received this step
         if ctx not in _WARMED:
             # NCCL: the first call on a group must involve all its ranks, and
             # batch_isend_irecv between two of them would not; a collective does.
             dist.barrier(group=self.group)
             _WARMED.add(ctx)
 
+    def new_step(self) -> None:
+        """Forget the streams' shapes: the next message of every keyed stream carries a header.
+
+        Every rank of the pipeline calls it at the same point (a schedule: when a step
+        starts), so that sender and receiver agree which message has a header."""
+        self._sent.clear()
+        self._received.clear()
+
     def _batch(self, ops: list[dist.P2POp]) -> None:
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
+            self.rounds += 1
+
+    def _header_out(self, fwd: tuple[Tensor, ...], is_tuple: bool, key: Hashable) -> Tensor | None:
+        """The header to send before ``fwd`` (None: its stream's receiver has the shapes)."""
+        if key is None or key not in self._sent:
+            header = _encode(fwd, is_tuple, self.device)  # checks the types
+            if key is not None:
+                self._sent[key] = _spec(fwd, is_tuple)
+            return header
+        if _spec(fwd, is_tuple) != self._sent[key]:
+            # the receiver allocates the shapes of the stream's first message: fail loudly
+            raise ValueError(
+                f"pipeline stage output changed within one step: {_spec(fwd, is_tuple)} after "
+                f"{self._sent[key]}; the micro-batches of a step must give equal shapes"
+            )
+        return None
 
     def communicate(
         self,
@@ -123,6 +165,8 @@ class PipelineP2P:
         send_prev: Payload = None,
         recv_prev: bool = False,
         recv_next_like: Payload = None,
+        send_key: Hashable | None = None,
+        recv_key: Hashable | None = None,
     ) -> tuple[Payload, Payload]:
         """One exchange with both neighbours; returns (from previous, from next).
 
@@ -130,30 +174,40 @@ class PipelineP2P:
         the previous stage. ``recv_prev``: receive activations from the previous
         stage. ``recv_next_like``: the activations this rank sent whose gradients
         it now receives from the next stage (their shapes; None = no receive).
+        ``send_key``/``recv_key``: the activation streams sent and received on (the
+        same name on both ends; see the module docstring); None: a header each time.
         """
         fwd = as_tuple(send_next)
         if send_next is not None and self.tensor_shape is not None:
             fwd = tuple(t.to(self.dtype) for t in fwd)
-        recv_specs: list[tuple[torch.Size, torch.dtype]] = []
-        recv_tuple = False
-        if self.tensor_shape is None:
-            ops, header_in = [], None
-            if send_next is not None:
-                header_out = _encode(fwd, isinstance(send_next, tuple), self.device)
-                ops.append(dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
-            if recv_prev:
-                header_in = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, header_in, self.prev_rank, self.group))
-            self._batch(ops)
-            if header_in is not None:
-                recv_specs, recv_tuple = _decode(header_in.cpu())
-        elif recv_prev:
-            recv_specs = [(torch.Size(self.tensor_shape), self.dtype)]
+        ops: list[dist.P2POp] = []  # the data batch
+        header_out = None
+        if send_next is not None and self.tensor_shape is None:
+            header_out = self._header_out(fwd, isinstance(send_next, tuple), send_key)
+        if not recv_prev:
+            recv_specs: Spec = ([], False)
+        elif self.tensor_shape is not None:
+            recv_specs = ([(torch.Size(self.tensor_shape), self.dtype)], False)
+        elif recv_key is not None and recv_key in self._received:
+            recv_specs = self._received[recv_key]
+        else:
+            # a round of its own; the header going out joins it, so that two stages that
+            # both wait for a header (the ring of the interleaved schedule) cannot deadlock
+            header_in = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            first = [dist.P2POp(dist.irecv, header_in, self.prev_rank, self.group)]
+            if header_out is not None:
+                first.insert(0, dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
+                header_out = None
+            self._batch(first)
+            recv_specs = _decode(header_in.cpu())
+            if recv_key is not None:
+                self._received[recv_key] = recv_specs
+        if header_out is not None:  # messages to one peer match in posting order: header first
+            ops.append(dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
 
-        ops = []
         for t in fwd:
             ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), self.next_rank, self.group))
-        from_prev = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_specs]
+        from_prev = [torch.empty(s, dtype=d, device=self.device) for s, d in recv_specs[0]]
         for t in from_prev:
             ops.append(dist.P2POp(dist.irecv, t, self.prev_rank, self.group))
         for g in as_tuple(send_prev):
@@ -175,7 +229,7 @@ class PipelineP2P:
         if recv_prev:
             for t in from_prev:
                 t.requires_grad_(t.is_floating_point())
-            prev_out = tuple(from_prev) if recv_tuple else from_prev[0]
+            prev_out = tuple(from_prev) if recv_specs[1] else from_prev[0]
         next_out: Payload = None
         if recv_next_like is not None:
             grads = iter(from_next)
