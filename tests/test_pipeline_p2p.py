@@ -295,3 +295,27 @@ def test_batch_size_may_change_between_steps(name):
         assert len(set(rounds)) == 1, rounds  # no step pays for the shapes more than once
     if name == "pp2":  # m = 2: stage 0 three exchanges; stage 1 four and one header round
         assert [r[1][0] for r in results] == [3, 4]
+
+
+# ---- one stage: the chunks of an interleaved schedule hand activations to themselves ---------
+def _one_stage(ctx, x, y):
+    from gridtrain.engine.schedules import InterleavedPipelineSchedule
+    from gridtrain.parallel.pipeline.partition import build_stage
+
+    stage, _ = build_stage(_views_model(), 0, 1, 2)
+    engine, *_ = gt.initialize(stage, torch.optim.SGD(stage.parameters(), lr=0.1), _views_loss)
+    engine.schedule = InterleavedPipelineSchedule(ctx, 4, 2)
+    _, _, loss = engine.execute_schedule(iter([(x, y)]), return_output_label=False)
+    return loss.item(), {n: p.grad.clone() for n, p in stage.named_parameters()}
+
+
+def test_one_stage_interleaved_equals_dense():
+    g = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, V, (8, S), generator=g) for _ in range(2))
+    model = _views_model()
+    loss = _views_loss(model(x), y)
+    loss.backward()
+    ((got, grads),) = run_distributed(_one_stage, 1, x, y, config=dict(num_microbatches=4))
+    assert got == pytest.approx(loss.item(), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)

@@ -4,7 +4,8 @@ Every transfer is one call of ``PipelineP2P.communicate`` (Megatron's
 ``_communicate``): activations go to the next stage, gradients to the previous
 one, both posted in one ``dist.batch_isend_irecv`` so that the matching calls of
 two neighbours cannot deadlock (gloo and NCCL alike). The next/previous stage
-wraps round, which the interleaved schedule needs (last stage -> first stage).
+wraps round, which the interleaved schedule needs (last stage -> first stage);
+a pipeline of one stage hands its messages to itself.
 
 The receiver of an activation does not know its shape, so unless a fixed
 ``tensor_shape`` is configured, the sender first sends a small int64 header
@@ -25,6 +26,7 @@ mask); only floating tensors carry gradients back.
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from collections.abc import Hashable
 
 import torch
@@ -124,6 +126,9 @@ class PipelineP2P:
         self.rounds = 0
         self._sent: dict[Hashable, Spec] = {}  # send_key -> shapes whose header went this step
         self._received: dict[Hashable, Spec] = {}  # recv_key -> shapes received this step
+        # a pipeline of one stage (interleaved chunks on one device) sends to itself: a queue
+        self.loopback = ctx.world_size(ParallelMode.PIPELINE) == 1
+        self._loop: dict[str, deque] = {"act": deque(), "grad": deque()}
         if ctx not in _WARMED:
             # NCCL: the first call on a group must involve all its ranks, and
             # batch_isend_irecv between two of them would not; a collective does.
@@ -180,6 +185,8 @@ class PipelineP2P:
         fwd = as_tuple(send_next)
         if send_next is not None and self.tensor_shape is not None:
             fwd = tuple(t.to(self.dtype) for t in fwd)
+        if self.loopback:
+            return self._loop_back(send_next, fwd, send_prev, recv_prev, recv_next_like)
         ops: list[dist.P2POp] = []  # the data batch
         header_out = None
         if send_next is not None and self.tensor_shape is None:
@@ -225,19 +232,50 @@ class PipelineP2P:
             ops.append(dist.P2POp(dist.irecv, g, self.next_rank, self.group))
         self._batch(ops)
 
-        prev_out: Payload = None
-        if recv_prev:
-            for t in from_prev:
-                t.requires_grad_(t.is_floating_point())
-            prev_out = tuple(from_prev) if recv_specs[1] else from_prev[0]
-        next_out: Payload = None
-        if recv_next_like is not None:
-            grads = iter(from_next)
-            sent = as_tuple(recv_next_like)
-            next_out = tuple(
-                next(grads).to(t.dtype) if t.is_floating_point() else None for t in sent
-            )
-        return prev_out, next_out
+        return _payloads(from_prev, recv_specs[1], recv_prev, from_next, recv_next_like)
+
+    def _loop_back(
+        self,
+        send_next: Payload,
+        fwd: tuple[Tensor, ...],
+        send_prev: Payload,
+        recv_prev: bool,
+        recv_next_like: Payload,
+    ) -> tuple[Payload, Payload]:
+        """One stage: what this rank sends it receives back, in order (copies, as a transfer
+        makes: the next chunk may change its input in place)."""
+        if send_next is not None:
+            acts = [t.detach().clone(memory_format=torch.contiguous_format) for t in fwd]
+            self._loop["act"].append((acts, isinstance(send_next, tuple)))
+        if send_prev is not None:
+            self._loop["grad"].append([g.detach().clone() for g in as_tuple(send_prev)])
+        try:
+            from_prev, is_tuple = self._loop["act"].popleft() if recv_prev else ([], False)
+            from_next = self._loop["grad"].popleft() if recv_next_like is not None else []
+        except IndexError:
+            raise RuntimeError("one-stage pipeline: a receive with nothing sent before") from None
+        return _payloads(from_prev, is_tuple, recv_prev, from_next, recv_next_like)
+
+
+def _payloads(
+    from_prev: list[Tensor],
+    is_tuple: bool,
+    recv_prev: bool,
+    from_next: list[Tensor],
+    recv_next_like: Payload,
+) -> tuple[Payload, Payload]:
+    """What ``communicate`` returns, from the received buffers."""
+    prev_out: Payload = None
+    if recv_prev:
+        for t in from_prev:
+            t.requires_grad_(t.is_floating_point())
+        prev_out = tuple(from_prev) if is_tuple else from_prev[0]
+    next_out: Payload = None
+    if recv_next_like is not None:
+        grads = iter(from_next)
+        sent = as_tuple(recv_next_like)
+        next_out = tuple(next(grads).to(t.dtype) if t.is_floating_point() else None for t in sent)
+    return prev_out, next_out
 
 
 def input_grads(inputs: Payload) -> Payload:
