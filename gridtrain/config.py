@@ -55,6 +55,8 @@ __all__ = [
     "TensorConfig",
     "ZeroConfig",
     "ChunkedLossConfig",
+    "CompileConfig",
+    "AttentionConfig",
 ]
 
 
@@ -95,6 +97,46 @@ class ChunkedLossConfig(_Section):
         return {} if data is True else data
 
 
+class CompileConfig(_Section):
+    """``compile``: torch.compile per repeated block (``gridtrain.engine.compile``);
+    ``True`` takes the defaults."""
+
+    backend: str = Field(
+        "inductor", description="torch.compile backend: inductor, aot_eager, eager, ..."
+    )
+    mode: (
+        Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None
+    ) = Field(None, description="torch.compile mode (None: the backend's default)")
+    fullgraph: bool = Field(False, description="fail on a graph break inside a block")
+    dynamic: bool | None = Field(
+        None, description="dynamic shapes: None lets torch decide after a shape change"
+    )
+    per_block: bool = Field(
+        True,
+        description="compile each entry of the model's block list (transformer.h, layers); "
+        "False compiles the whole model",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_default(cls, data: Any) -> Any:
+        return {} if data is True else data
+
+
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+class AttentionConfig(_Section):
+    """``attention``: which fused attention kernels ``scaled_dot_product_attention`` may use
+    (``gridtrain.engine.sdpa``), in order of preference."""
+
+    backends: list[Literal["cudnn", "flash", "efficient", "math"]] = Field(
+        min_length=1,
+        description=f"kernels to allow, first preferred, from {list(SDPA_BACKENDS)}; cuDNN "
+        "first is fastest on Hopper",
+    )
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message names the key, the value and what is allowed."""
 
@@ -123,6 +165,12 @@ class Config(BaseModel):
     )
     chunked_loss: ChunkedLossConfig | None = Field(
         None, description="LM head + cross entropy in token chunks; None: whole logits"
+    )
+    compile: CompileConfig | None = Field(
+        None, description="torch.compile per transformer block; None: eager"
+    )
+    attention: AttentionConfig | None = Field(
+        None, description="SDPA kernel preference; None: torch's default choice"
     )
     max_nonfinite_steps: NonNegativeInt = Field(
         3,

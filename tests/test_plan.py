@@ -39,7 +39,8 @@ def _init(ctx, build, example=True, opt_groups=False):
     model = build()
     params = {id(p) for p in model.parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 8) if example else None
+    make_x = getattr(build, "example", lambda: torch.randn(4, 8))
+    x = make_x() if example else None
     try:
         gt.initialize(model, opt, nn.MSELoss(), example_inputs=x)
     except PlanError as err:
@@ -53,6 +54,10 @@ def _narrow_mlp():
 
 
 class _Tied(nn.Module):
+    @staticmethod
+    def example():
+        return torch.randint(0, 16, (4, 8))  # token ids
+
     def __init__(self):
         super().__init__()
         self.emb = gt.nn.Embedding(16, 8)  # hint: embedding dim split

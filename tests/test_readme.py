@@ -38,6 +38,11 @@ def test_every_engine_key_is_documented():
         from gridtrain.config import ZeroConfig
 
         keys += [f"zero.{k}" for k in ZeroConfig.model_fields]
+    from gridtrain.config import AttentionConfig, ChunkedLossConfig, CompileConfig
+
+    keys += [f"chunked_loss.{k}" for k in ChunkedLossConfig.model_fields]
+    keys += [f"compile.{k}" for k in CompileConfig.model_fields]
+    keys += [f"attention.{k}" for k in AttentionConfig.model_fields]
     missing = [k for k in keys if f"`{k}`" not in README]
     assert not missing, f"README config reference lacks {missing}"
 

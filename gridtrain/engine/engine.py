@@ -30,6 +30,7 @@ from gridtrain.engine.accumulation import GradientAccumulation
 from gridtrain.engine.clip import clip_grad_norm
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.schedules import Schedule, StepFunctions
+from gridtrain.engine.sdpa import sdpa_context
 from gridtrain.gradient_handlers.base import GradientHandler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
@@ -86,6 +87,7 @@ class Engine:
         self.data_parallel = data_parallel
         self.autocast_dtype = autocast_dtype
         self.clip_grad_norm = ctx.config.clip_grad_norm
+        self._attention = getattr(ctx.config, "attention", None)
         self.max_nonfinite_steps = getattr(ctx.config, "max_nonfinite_steps", 3)
         self.accumulation = GradientAccumulation(ctx.config.gradient_accumulation)
         self._user_criterion = criterion
@@ -127,7 +129,7 @@ class Engine:
         """Forward on this rank's part of the batch (inputs split per tensor mode, autocast on)."""
         self._sync_batchnorm()
         args, kwargs = self.split_batch(args), self.split_batch(kwargs)
-        with autocast(self.ctx.device, self.autocast_dtype):
+        with self._forward_context():
             return self.model(*args, **kwargs)
 
     def forward_split(self, data: Any, chunk: int | None = None) -> Any:
@@ -135,12 +137,18 @@ class Engine:
         if chunk is None or chunk == 0:
             self._sync_batchnorm()
         extra = {} if chunk is None else {"chunk": chunk}
-        with autocast(self.ctx.device, self.autocast_dtype):
+        with self._forward_context():
             if isinstance(data, tuple | list):
                 return self.model(*data, **extra)
             if isinstance(data, dict):
                 return self.model(**data, **extra)
             return self.model(data, **extra)
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        """Autocast (amp modes) and the configured SDPA kernels around a forward."""
+        with autocast(self.ctx.device, self.autocast_dtype), sdpa_context(self._attention):
+            yield
 
     def compute_loss(self, output: Any, *labels: Any, **kwargs: Any) -> Tensor:
         """The user's criterion on already-split labels (under autocast when amp is on)."""

@@ -1,0 +1,140 @@
+"""``compile``: each repeated block compiled (hooks and collectives outside the graphs) trains
+exactly as eager under every kind of layout; ``attention`` selects SDPA's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.harness import run_distributed
+from helpers.models import TinyTransformer, tiny_batches
+from helpers.parity import seeded, train_dense, train_engine
+
+import gridtrain as gt
+from gridtrain.engine.compile import find_blocks
+
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 64
+# aot_eager runs dynamo and AOTAutograd (graph capture, breaks, the joint backward) without
+# generating C++: the engine's part of compiling, at a cost CI can pay for every layout
+AOT = dict(compile=dict(backend="aot_eager"))
+LAYOUTS = {
+    "one process": (1, {}),
+    "dp2": (2, {}),
+    "1d2": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d")))),
+    "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=2)),
+    "dp2 zero2": (2, dict(zero=2)),  # stage 3 compiled: test_zero.py
+}
+
+
+def _loss(logits, labels):
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(ctx, batches):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
+    out = train_engine(ctx, model, batches, _loss, _adamw, example_inputs=batches[0][0])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return out[:3], graphs
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_blocks_train_as_eager(name):
+    world, parallel = LAYOUTS[name]
+    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
+    d_losses, d_grads, d_final = train_dense(
+        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    results = run_distributed(_train, world, batches, config=dict(AOT, **parallel), timeout=300)
+    data_parallel = name.startswith("dp")  # each rank's loss is over its half of the batch
+    mean_losses = [sum(r[0][0][i] for r in results) / world for i in range(STEPS)]
+    for rank, ((losses, grads, final), graphs) in enumerate(results):
+        assert graphs >= 1, f"{name}: nothing was compiled"
+        # float64: AOTAutograd's decompositions and sharding only reorder sums
+        got = mean_losses if data_parallel else losses
+        assert got == pytest.approx(d_losses, rel=1e-10), (name, rank)
+        for k, g in (grads or {}).items():  # (pipeline: gradients not gathered)
+            torch.testing.assert_close(g, d_grads[k], rtol=1e-8, atol=1e-12, msg=f"{name} {k}")
+        for k, v in final.items():  # AdamW on near-zero gradients amplifies rounding
+            torch.testing.assert_close(v, d_final[k], rtol=1e-4, atol=1e-8, msg=f"{name} {k}")
+
+
+def _fp32_model():
+    return seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0, dtype=torch.float32)
+
+
+def _train_fp32(ctx, batches):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = train_engine(ctx, _fp32_model(), batches, _loss, _adamw)
+    return out[0], out[2], dict(torch._dynamo.utils.counters["stats"])
+
+
+def test_inductor_blocks_match_eager_in_float32():
+    """The default backend generates C++ for the blocks on CPU (one graph for both blocks)."""
+    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    d_losses, _, d_final = train_dense(
+        _fp32_model(), batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    ((losses, final, stats),) = run_distributed(
+        _train_fp32, 1, batches, config=dict(compile=True), timeout=600
+    )
+    assert stats["unique_graphs"] >= 1, stats
+    # float32: inductor fuses and reorders reductions (~1e-6 relative per op)
+    assert losses == pytest.approx(d_losses, rel=1e-4)
+    for k, v in final.items():
+        if k.endswith("k.bias"):  # its true gradient is 0 (softmax ignores it): AdamW's
+            continue  # step there is lr * sign(rounding noise), different in every kernel
+        torch.testing.assert_close(v, d_final[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_find_blocks_takes_the_repeated_list_only():
+    model = TinyTransformer(layers=3)
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    mixed = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()])
+    assert find_blocks(torch.nn.Sequential(mixed)) == []
+
+
+def _kernels(ctx):
+    """Which SDPA kernels a forward under the engine may use (torch's global flags)."""
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            self.seen = (
+                torch.backends.cuda.math_sdp_enabled(),
+                torch.backends.cuda.flash_sdp_enabled(),
+            )
+            return self.lin(x)
+
+    probe = Probe()
+    engine, *_ = gt.initialize(probe, torch.optim.SGD(probe.parameters(), lr=0.1))
+    engine(torch.zeros(1, 2))
+    return probe.seen, (
+        torch.backends.cuda.math_sdp_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+    )
+
+
+def test_attention_backends_hold_inside_the_forward_only():
+    ((inside, after),) = run_distributed(
+        _kernels, 1, config=dict(attention=dict(backends=["math"])), timeout=120
+    )
+    assert inside == (True, False), "only the math kernel is allowed in the forward"
+    assert after == (True, True), "torch's defaults are back after it"
+
+
+def test_bad_compile_and_attention_keys_name_the_allowed_values():
+    with pytest.raises(gt.ConfigError, match="mode"):
+        gt.Config.from_dict(dict(compile=dict(mode="fast")))
+    with pytest.raises(gt.ConfigError, match="cudnn"):
+        gt.Config.from_dict(dict(attention=dict(backends=["cudn"])))
