@@ -97,8 +97,10 @@ def test_inductor_blocks_match_eager_in_float32():
 def test_find_blocks_takes_the_repeated_list_only():
     model = TinyTransformer(layers=3)
     assert [n for n, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
-    mixed = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()])
-    assert find_blocks(torch.nn.Sequential(mixed)) == []
+    mlp = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    assert find_blocks(mlp) == [], "lone layers are not blocks: the model compiles whole"
+    seq = torch.nn.Sequential(*TinyTransformer(layers=2).pipeline_layers())  # as demos/gpt
+    assert [n for n, _ in find_blocks(seq)] == ["1", "2"]
 
 
 def _kernels(ctx):

@@ -2,9 +2,9 @@
 
 Compiling the whole model would put every tensor-parallel collective, pipeline
 send and ZeRO gather into one graph (or break it at each). Compiling each entry of
-the model's repeated block list (``transformer.h``, ``model.layers``, ``blocks``)
-keeps those graphs small and identical, so one compilation serves every block,
-and the code between blocks (embeddings, head, loss, pipeline p2p) stays eager.
+the model's repeated block list (``transformer.h``, ``model.layers``, the blocks of
+an ``nn.Sequential``) keeps those graphs small and identical, so one compilation
+serves every block, and the code between blocks (embeddings, head, loss, pipeline p2p) stays eager.
 Only a block's ``forward`` is compiled: module hooks (ZeRO-3's FSDP2 gathers,
 gradient sync, BatchNorm broadcast) run eagerly around it. A model without a
 block list is compiled whole.
@@ -13,6 +13,7 @@ block list is compiled whole.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import torch
@@ -22,19 +23,22 @@ logger = logging.getLogger("gridtrain")
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks of ``model``: the entries of each ``nn.ModuleList`` whose
-    entries share one class (the outermost such lists; nested lists stay inside)."""
-    blocks: list[tuple[str, nn.Module]] = []
-    taken: list[str] = []
+    """The repeated blocks of ``model``: in the outermost ``nn.ModuleList`` or
+    ``nn.Sequential`` that has them, the children of a class that occurs at least
+    twice there and holds submodules (a transformer block, not a lone Linear)."""
     for name, module in model.named_modules():
-        if any(name.startswith(t + ".") for t in taken):
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
             continue
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            kinds = {type(m) for m in module}
-            if len(kinds) == 1:
-                taken.append(name)
-                blocks += [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module)]
-    return blocks
+        children = list(module.named_children())
+        counts = Counter(type(m) for _, m in children)
+        blocks = [
+            (f"{name}.{key}" if name else key, m)
+            for key, m in children
+            if counts[type(m)] > 1 and next(m.children(), None) is not None
+        ]
+        if blocks:
+            return blocks
+    return []
 
 
 def compile_model(model: nn.Module, options: Any) -> list[str]:
