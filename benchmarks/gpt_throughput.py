@@ -153,19 +153,23 @@ FAST = dict(compile=True, attention=dict(backends=["cudnn", "flash", "efficient"
 
 
 class EngineLoop:
-    """The same model through ``gt.initialize`` and ``engine.execute_schedule``; ``fast``
-    turns on the engine's ``compile`` (per block) and ``attention`` (cuDNN first) keys."""
+    """The same model through ``gt.initialize`` and ``engine.execute_schedule``; ``extra``
+    config keys (``FAST``: the engine's ``compile`` per block and cuDNN ``attention``)
+    apply to this engine only."""
 
-    def __init__(self, cfg, args, device, fast: bool = False):
+    def __init__(self, cfg, args, device, extra: dict | None = None):
         model = gpt_model.GPT(cfg).to(device)
-        if args.compile and not fast:
+        if args.compile and not extra:
             model = torch.compile(model)
         ctx = gt.get_context()
-        launched = ctx.config  # the fast keys for this engine only: both rows share the launch
-        if fast:
-            ctx.config = gt.Config.from_dict({**launched.model_dump(exclude_unset=True), **FAST})
+        launched = ctx.config  # every loop shares the launch; the extra keys are this one's
+        if extra:
+            ctx.config = gt.Config.from_dict({**launched.model_dump(exclude_unset=True), **extra})
         try:
-            self.engine, *_ = gt.initialize(model, adamw(model, device), gpt_model.GPTLoss())
+            example = torch.zeros(1, 8, dtype=torch.long, device=device)  # traced on meta
+            self.engine, *_ = gt.initialize(
+                model, adamw(model, device), gpt_model.GPTLoss(), example_inputs=example
+            )
         finally:
             ctx.config = launched
         self.engine.train()
@@ -202,7 +206,7 @@ def single_device(args, preset: str) -> dict[str, float]:
     batches = make_batches(cfg, args, device)
     loops = {"plain": PlainLoop(cfg, args, device), "engine": EngineLoop(cfg, args, device)}
     if args.fast:
-        loops["engine fast"] = EngineLoop(cfg, args, device, fast=True)
+        loops["engine fast"] = EngineLoop(cfg, args, device, extra=FAST)
     best = dict.fromkeys(loops, 0.0)
     for _ in range(args.rounds):
         for name, loop in loops.items():

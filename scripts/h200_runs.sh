@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
+# 10-minute window: `scripts/h200_runs.sh a|b OUTDIR`. GPU work is pinned to cores 0-3; CPU
+# tables (gloo processes) run meanwhile on the other cores.
+set -uo pipefail
+PART=$1
+OUT=${2:-/tmp/h200_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+GPU="taskset -c 0-3"
+CPUS="taskset -c 4-$(($(nproc) - 1))"
+nvidia-smi -L; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+git log --oneline -1
+if [ "$PART" = a ]; then
+  $CPUS bash scripts/hf_demo_table.sh gpt2 >"$OUT/hf_demo_gpt2.log" 2>&1 &
+  $CPUS bash scripts/hf_demo_table.sh llama >"$OUT/hf_demo_llama.log" 2>&1 &
+  $GPU timeout 400 $PY benchmarks/gpt_throughput.py --compile --fast --rounds 2 >"$OUT/gpt.log" 2>&1
+  $GPU timeout 120 $PY benchmarks/hf_throughput.py >"$OUT/hf_throughput.log" 2>&1
+  wait
+else
+  $GPU timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu >"$OUT/test_gpu.log" 2>&1
+  {
+    $GPU timeout 90 $PY benchmarks/moe_throughput.py --device cuda
+    $GPU timeout 60 $PY benchmarks/pipeline_bubble.py --single --microbatches 8 32 --chunks 1 2 4 --dim 1024 --mb 256 --reps 2 --rounds 50
+    $GPU timeout 100 $PY benchmarks/largest_batch.py
+  } >"$OUT/moe_pipe_batch.log" 2>&1
+  {
+    $GPU timeout 100 $PY benchmarks/zero_memory.py throughput
+    $GPU timeout 80 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 1.3B --probe-timeout 75
+    $GPU timeout 60 $PY benchmarks/resnet_throughput.py --steps 20 --repeats 3
+  } >"$OUT/zero_resnet.log" 2>&1
+fi
+ls -la "$OUT"
