@@ -122,10 +122,12 @@ def _worker(rank, world, port, mode, depth, sizes, dtype_name, steps, queue):
     results = []
     for b, s, h in sizes:
         torch.manual_seed(0)
-        block = Block(h, dtype)
-        # the engine's plan and layers (gt.initialize does the same, plus an optimizer)
-        apply_plan(block, build_plan(block, ctx, torch.zeros(b, s, h, dtype=dtype)), ctx)
-        block = block.to(ctx.device)
+        # the engine's plan and layers (gt.initialize does the same, plus an optimizer), for
+        # the block as it sits in a model: its output feeds a later Linear, not the loss
+        # (traced alone, proj and fc2 reach the output, so 2d/3d would gather them as heads)
+        model = nn.Sequential(Block(h, dtype), gnn.Linear(h, h, dtype=dtype))
+        apply_plan(model, build_plan(model, ctx, torch.zeros(b, s, h, dtype=dtype)), ctx)
+        block = model[0].to(ctx.device)
         rows, cols = grid_sizes(mode, world, depth)
         x = torch.randn(b // rows, s, h // cols, dtype=dtype, device=ctx.device)
 
@@ -162,9 +164,12 @@ def run_layout(mode, world, depth, sizes, dtype, steps):
     queue = ctx.SimpleQueue()
     args = (world, _free_port(), mode, depth, sizes, dtype, steps, queue)
     procs = mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn", join=False)
-    per_rank = dict(queue.get() for _ in range(world))
-    while not procs.join():
-        pass
+    per_rank, done = {}, False
+    while not done:
+        done = procs.join(timeout=1)  # raises (with the rank's traceback) if a rank failed
+        while not queue.empty():
+            rank, result = queue.get()
+            per_rank[rank] = result
     return [per_rank[r] for r in range(world)]
 
 

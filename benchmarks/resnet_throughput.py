@@ -1,7 +1,7 @@
 """ResNet-18 training throughput: the gridtrain engine against a plain PyTorch loop.
 
     python benchmarks/resnet_throughput.py                      # one process
-    gridtrain run --nproc_per_node 4 --config configs/data_parallel.py \\
+    gridtrain run --nproc_per_node 4 --config demos/resnet/configs/fp32.py \\
         benchmarks/resnet_throughput.py                         # data parallel vs torch DDP
 
 For each precision (fp32, torch fp16, naive fp16, bf16) the same model (same

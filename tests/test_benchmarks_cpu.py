@@ -1,0 +1,222 @@
+"""Every benchmark in benchmarks/ in its CI-size CPU form (gloo): it exits 0 and prints its
+table, with the rows that show the comparison ran. The GPU runs use the same code at size."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gridtrain() -> list[str]:
+    script = Path(sys.executable).parent / "gridtrain"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "gridtrain.cli"]
+
+
+def _rows(out: str, *prefix: str) -> list[list[str]]:
+    """Whitespace- or |-separated fields of the lines whose fields start with ``prefix``."""
+    rows = []
+    for line in out.splitlines():
+        fields = line.replace("|", " ").split()
+        if fields[: len(prefix)] == list(prefix):
+            rows.append(fields)
+    return rows
+
+
+def _row(out: str, *prefix: str) -> list[str]:
+    rows = _rows(out, *prefix)
+    assert len(rows) == 1, f"want one row starting {prefix}, got {rows}\n{out}"
+    return rows[0]
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", "").rstrip("M"))
+
+
+def check_gpt(out):
+    rows = {" ".join(r[2:5] if r[3] == "1d" else r[2:3]): r for r in _rows(out, "tiny")}
+    assert set(rows) == {"plain", "engine", "engine 1d tp=2"}, out  # mode -> row
+    assert _num(rows["plain"][3]) > 0 and _num(rows["engine 1d tp=2"][-3]) > 0  # tokens/s
+    assert _num(rows["engine"][-1]) > 0  # engine / plain
+
+
+def check_hf(out):
+    assert "GPT2LMHeadModel" in out
+    assert _num(_row(out, "plain")[1]) > 0
+    assert _num(_row(out, "engine")[-1]) > 0  # engine / plain
+
+
+def check_moe(out):
+    dense = _row(out, "cpu", "dense")
+    assert dense[-1] == "1.00"  # the reference column
+    for model in ("grouped/auto", "capacity"):
+        row = _row(out, "cpu", model)
+        assert _num(row[4]) > 0 and _num(row[5]) > 0  # tokens/s, vs dense
+        assert 0 <= float(row[6]) < 1  # dropped fraction
+
+
+def check_zero_memory(out):
+    totals = {}
+    for stage in range(4):
+        row = _row(out, "2", str(stage))
+        totals[stage] = float(row[5])
+        assert float(row[-1]) == pytest.approx(1.0, abs=0.01)  # total / (paper + fp32 grad)
+    assert totals[3] < totals[2] < totals[1] < totals[0]
+
+
+def check_zero_throughput(out):
+    assert float(_row(out, "plain")[2]) == 1.0
+    for mode in ("zero1", "zero2"):
+        assert float(_row(out, mode)[2]) > 0  # vs plain
+
+
+def check_zero_largest(out):
+    assert _row(out, "tiny")[2] == "trains"
+
+
+def _check_resnet(out, precisions):
+    for precision in precisions:
+        row = _row(out, precision)
+        assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0  # img/s, ratio
+        engine, plain = (float(v) for v in row[-1].split("/"))  # first-step losses
+        assert engine == pytest.approx(plain, abs=0.01)
+
+
+def check_resnet(out):
+    _check_resnet(out, ("fp32", "torch_fp16", "naive_fp16", "bf16"))
+
+
+def check_resnet_ddp(out):
+    assert "batch 2 x 2 process(es)" in out
+    _check_resnet(out, ("fp32",))
+
+
+def check_pipeline(out):
+    for v, name, theory in ((1, "1F1B", 0.2), (2, "interleaved", 0.111)):
+        row = _row(out, "2", "4", str(v), name)
+        assert float(row[4]) == pytest.approx(theory, abs=1e-3)
+        assert 0 < float(row[5]) < 1  # measured idle fraction
+
+
+def check_pipeline_single(out):
+    assert float(_row(out, "4", "plain", "loop")[-1]) == 1.0
+    assert float(_row(out, "4", "1F1B", "(p=1)")[-1]) > 0
+    assert float(_row(out, "4", "interleaved", "v=2", "(p=1)")[-1]) > 0
+
+
+def check_sequence(out):
+    dense = _row(out, "dense-sdpa")
+    online = _row(out, "seq", "2", "online")
+    assert online[-1] == ">=512"  # fits the whole range within the budget
+    assert float(online[-2]) < float(dense[-2])  # S=512: less per rank than one dense rank
+
+
+def check_comm(out):
+    row = _row(out, "2d", "4", "8x16x64")
+    assert float(row[5]) == pytest.approx(1.0, abs=0.1)  # measured / paper
+
+
+def check_checkpoint(out):
+    for fmt in ("dense", "sharded", "async"):
+        row = _row(out, "2", fmt)
+        assert float(row[2]) >= 0 and float(row[-1]) > 0  # save s, MB on disk
+
+
+def check_estimate(out):
+    assert "Narayanan et al. 2021" in out and "Rajbhandari et al. 2020" in out
+    assert float(_row(out, "1008.0B")[-1]) > 0  # ours / paper
+    assert float(_row(out, "1024")[-1]) > 0  # ZeRO at N_d 1024
+    assert float(_row(out, "gpt2-124m")[-1]) > 0  # estimated / measured
+
+
+def check_largest(out):
+    assert _row(out, "plain")[-2] == "8"  # trained batch
+    assert _row(out, "engine", "chunked_loss")[-1] == "1.00"  # vs plain
+
+
+PY = [sys.executable]
+CASES = {
+    "gpt_throughput": (
+        [*PY, "benchmarks/gpt_throughput.py", "--device", "cpu", "--tp", "2"]
+        + ["--steps", "2", "--warmup", "1", "--rounds", "2"],
+        check_gpt,
+    ),
+    "hf_throughput": (
+        [*PY, "benchmarks/hf_throughput.py", "--device", "cpu", "--steps", "2"],
+        check_hf,
+    ),
+    "moe_throughput": (
+        [*PY, "benchmarks/moe_throughput.py", "--device", "cpu", "--steps", "2", "--rounds", "1"]
+        + ["--hidden", "64", "--depth", "2"],
+        check_moe,
+    ),
+    "zero_memory": (
+        [*PY, "benchmarks/zero_memory.py", "--quick", "--ranks", "2"],
+        check_zero_memory,
+    ),
+    "zero_memory_throughput": (
+        [*PY, "benchmarks/zero_memory.py", "throughput", "--device", "cpu"],
+        check_zero_throughput,
+    ),
+    "zero_memory_largest": (
+        [*PY, "benchmarks/zero_memory.py", "largest", "--device", "cpu", "--sizes", "tiny"],
+        check_zero_largest,
+    ),
+    "resnet_throughput": (
+        [*PY, "benchmarks/resnet_throughput.py", "--batch", "2", "--steps", "1"]
+        + ["--repeats", "1"],
+        check_resnet,
+    ),
+    "resnet_throughput_ddp": (
+        [*_gridtrain(), "run", "--nproc_per_node", "2"]
+        + ["--config", "demos/resnet/configs/fp32.py", "benchmarks/resnet_throughput.py"]
+        + ["--precisions", "fp32", "--batch", "2", "--steps", "1", "--repeats", "1"],
+        check_resnet_ddp,
+    ),
+    "pipeline_bubble": (
+        [*PY, "benchmarks/pipeline_bubble.py", "--cpu", "--stages", "2", "--microbatches", "4"]
+        + ["--steps", "1", "--fwd_ms", "5"],
+        check_pipeline,
+    ),
+    "pipeline_bubble_single": (
+        [*PY, "benchmarks/pipeline_bubble.py", "--single", "--cpu", "--microbatches", "4"]
+        + ["--rounds", "2", "--warmup", "1"],
+        check_pipeline_single,
+    ),
+    "sequence_memory": (
+        [*PY, "benchmarks/sequence_memory.py", "--sizes", "2", "--min-seq", "128"]
+        + ["--max-seq", "512", "--budget-mb", "4"],
+        check_sequence,
+    ),
+    "comm_volume": (
+        [*PY, "benchmarks/comm_volume.py", "--sizes", "8x16x64", "--modes", "2d"],
+        check_comm,
+    ),
+    "checkpoint_io": (
+        [*PY, "benchmarks/checkpoint_io.py", "--quick", "--ranks", "2"],
+        check_checkpoint,
+    ),
+    "estimate_vs_published": (
+        [*PY, "benchmarks/estimate_vs_published.py"],
+        check_estimate,
+    ),
+    "largest_batch": (
+        [*PY, "benchmarks/largest_batch.py", "--device", "cpu", "--preset", "tiny"]
+        + ["--seq-len", "64"],
+        check_largest,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_benchmark_cpu_form(name):
+    cmd, check = CASES[name]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU forms, on GPU machines too
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    check(out.stdout)
