@@ -111,10 +111,11 @@ class CompileConfig(_Section):
     dynamic: bool | None = Field(
         None, description="dynamic shapes: None lets torch decide after a shape change"
     )
-    per_block: bool = Field(
-        True,
+    per_block: bool | None = Field(
+        None,
         description="compile each entry of the model's block list (transformer.h, layers); "
-        "False compiles the whole model",
+        "False: the whole model; None: per block where tensor or pipeline parallelism or ZeRO "
+        "3 put collectives or hooks in the model, else whole",
     )
 
     @model_validator(mode="before")

@@ -11,14 +11,18 @@ GPU="taskset -c 0-3"
 CPUS="taskset -c 4-$(($(nproc) - 1))"
 nvidia-smi -L; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 git log --oneline -1
-if [ "$PART" = a ]; then
+if [ "$PART" = a ]; then  # the tables, then GPT-2 throughput against plain PyTorch
   $CPUS bash scripts/hf_demo_table.sh gpt2 >"$OUT/hf_demo_gpt2.log" 2>&1 &
   $CPUS bash scripts/hf_demo_table.sh llama >"$OUT/hf_demo_llama.log" 2>&1 &
   $GPU timeout 400 $PY benchmarks/gpt_throughput.py --compile --fast --rounds 2 >"$OUT/gpt.log" 2>&1
   $GPU timeout 120 $PY benchmarks/hf_throughput.py >"$OUT/hf_throughput.log" 2>&1
   wait
-else
+elif [ "$PART" = b ]; then  # make test-gpu, the throughput targets
   $GPU timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu >"$OUT/test_gpu.log" 2>&1
+  $GPU timeout 300 $PY benchmarks/gpt_throughput.py --compile --fast --rounds 2 >"$OUT/gpt.log" 2>&1
+  $GPU timeout 100 $PY benchmarks/hf_throughput.py >"$OUT/hf_throughput.log" 2>&1
+  wait
+else  # MoE, schedule overhead, largest batch, ZeRO, ResNet
   {
     $GPU timeout 90 $PY benchmarks/moe_throughput.py --device cuda
     $GPU timeout 60 $PY benchmarks/pipeline_bubble.py --single --microbatches 8 32 --chunks 1 2 4 --dim 1024 --mb 256 --reps 2 --rounds 50
@@ -29,5 +33,6 @@ else
     $GPU timeout 80 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 1.3B --probe-timeout 75
     $GPU timeout 60 $PY benchmarks/resnet_throughput.py --steps 20 --repeats 3
   } >"$OUT/zero_resnet.log" 2>&1
+  wait
 fi
 ls -la "$OUT"

@@ -41,16 +41,28 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
-def compile_model(model: nn.Module, options: Any) -> list[str]:
+def compile_model(model: nn.Module, options: Any, ctx=None) -> list[str]:
     """Compile ``model`` in place per the ``compile`` config section; returns the names
-    of the compiled modules ('' is the whole model). State-dict keys do not change."""
+    of the compiled modules ('' is the whole model). State-dict keys do not change.
+
+    ``per_block=None`` compiles per block only where the model holds collectives or
+    hooks (a tensor mode, pipeline stages, ZeRO 3); one process or plain data
+    parallelism compiles the whole model, which fuses across blocks and launches less."""
     kwargs = dict(
         backend=options.backend,
         mode=options.mode,
         fullgraph=options.fullgraph,
         dynamic=options.dynamic,
     )
-    blocks = find_blocks(model) if options.per_block else []
+    per_block = options.per_block
+    if per_block is None:
+        zero = getattr(ctx.config, "zero", None) if ctx is not None else None
+        per_block = ctx is None or (
+            ctx.tensor_mode is not None
+            or ctx.pipeline_parallel_size > 1
+            or (zero is not None and zero.stage == 3)
+        )
+    blocks = find_blocks(model) if per_block else []
     if not blocks:
         blocks = [("", model)]
     for _, module in blocks:

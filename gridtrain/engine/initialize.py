@@ -158,7 +158,7 @@ def initialize(
         criterion.to(ctx.device)
     broadcast_from_first_replica(model, ctx)
     if cfg.compile is not None:  # the blocks' forwards; hooks added later stay outside
-        compile_model(model, cfg.compile)
+        compile_model(model, cfg.compile, ctx)
     zero = build_zero(model, optimizer, ctx)  # rebinds the optimizer to this rank's rows
     model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx, zero)
 

@@ -17,6 +17,7 @@ loss reads ``out.logits`` as without a pipeline.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch.nn.functional as F
@@ -135,12 +136,15 @@ def _mask(config, layer_index, hidden: Tensor, positions: Tensor, mask: tuple[Te
     if types is not None and layer_index is not None:
         sliding = types[layer_index] == "sliding_attention"
     make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    # transformers < 5.20 names the cache argument past_key_values
+    cache = "cache" if "cache" in inspect.signature(make).parameters else "past_key_values"
+    kwargs = {cache: None}
     return make(
         config=config,
         inputs_embeds=hidden,
         attention_mask=padding,
-        cache=None,
         position_ids=positions,
+        **kwargs,
     )
 
 
