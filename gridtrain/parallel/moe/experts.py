@@ -67,7 +67,7 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_MM_OK[key] = ok
-    return ok
+    return _GROUPED_MM_OK[key]  # probed by an earlier call too
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
