@@ -7,7 +7,6 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -150,17 +149,6 @@ def has_context() -> bool:
     return _CURRENT is not None
 
 
-@contextlib.contextmanager
-def using_context(ctx: ParallelContext) -> Iterator[ParallelContext]:
-    """Make ``ctx`` current inside the block (for code that holds several contexts)."""
-    saved = _CURRENT
-    set_context(ctx)
-    try:
-        yield ctx
-    finally:
-        set_context(saved)
-
-
 def destroy() -> None:
     """Destroy every process group and forget the current context.
 
@@ -171,7 +159,11 @@ def destroy() -> None:
     active exception", SIGABRT, a finished job exiting 1. A group object still
     held by Python objects (the context, an engine's gradient buckets) keeps its
     workers until those objects go, so the workers are waited for, not joined.
+    Asynchronous checkpoint saves still in flight finish first (they use the groups).
     """
+    from gridtrain.engine.checkpoint.writer import wait_pending  # engine imports this module
+
+    wait_pending()
     set_context(None)
     if dist.is_initialized():
         dist.destroy_process_group()
