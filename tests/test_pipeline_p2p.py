@@ -125,6 +125,19 @@ def _views_loss(logits, y):
     return gt.nn.CrossEntropyLoss()(logits.reshape(-1, V), y.reshape(-1))
 
 
+def _dense_losses(batches) -> list[float]:
+    """The views model trained in one process with SGD: the loss of each step."""
+    model, losses = _views_model(), []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _views_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _views_train(ctx, batches):
     model = _views_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -159,14 +172,7 @@ def test_stage_outputs_may_be_transposed_or_expanded_views(name):
         (torch.randint(0, V, (8, S), generator=g), torch.randint(0, V, (8, S), generator=g))
         for _ in range(2)
     ]
-    model, dense = _views_model(), []
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches:
-        opt.zero_grad()
-        loss = _views_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        dense.append(loss.item())
+    dense = _dense_losses(batches)
     results = run_distributed(_views_train, world, batches, config=config, timeout=300)
     replica = world // (2 if name.startswith("dp2") else 1)
     losses = torch.tensor([r for r in results[::replica]]).mean(0)
@@ -279,14 +285,7 @@ def test_batch_size_may_change_between_steps(name):
         (torch.randint(0, V, (n, S), generator=g), torch.randint(0, V, (n, S), generator=g))
         for n in (8, 4, 8, 6)
     ]
-    model, dense = _views_model(), []
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches:
-        opt.zero_grad()
-        loss = _views_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        dense.append(loss.item())
+    dense = _dense_losses(batches)
     results = run_distributed(
         _train_rounds, world, batches, config=dict(config, num_microbatches=2), timeout=300
     )

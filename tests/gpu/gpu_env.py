@@ -62,3 +62,16 @@ def rel_errs(got: dict[str, Tensor], want: dict[str, Tensor], floor: float = 1e-
         assert g.shape == w.shape, (k, tuple(g.shape), tuple(w.shape))
         out[k] = (g - w).norm().item() / max(w.norm().item(), floor * total)
     return out
+
+
+def assert_runs_close(name, losses, ref_losses, loss_tol, grads, ref_grads, grad_tol) -> None:
+    """Every step's loss within ``loss_tol`` of the reference run's, every gradient within
+    ``grad_tol`` of its reference (relative norm); the worst gradient error is printed."""
+    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) < loss_tol, (name, step, got, want)
+    assert grads.keys() == ref_grads.keys()
+    errs = rel_errs(grads, ref_grads)
+    worst = max(errs, key=errs.get)
+    print(f"  worst gradient error {worst}: {errs[worst]:.2e}")
+    for k, err in errs.items():
+        assert err < grad_tol, (name, "grad", k, err, max_abs(grads[k], ref_grads[k]))
