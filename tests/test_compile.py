@@ -40,7 +40,7 @@ def _train(ctx, batches):
     model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
     out = train_engine(ctx, model, batches, _loss, _adamw, example_inputs=batches[0][0])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return out[:3], graphs
+    return out[:3], graphs, out[4]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -54,8 +54,15 @@ def test_compiled_blocks_train_as_eager(name):
     results = run_distributed(_train, world, batches, config=dict(AOT, **parallel), timeout=300)
     data_parallel = name.startswith("dp")  # each rank's loss is over its half of the batch
     mean_losses = [sum(r[0][0][i] for r in results) / world for i in range(STEPS)]
-    for rank, ((losses, grads, final), graphs) in enumerate(results):
+    for rank, ((losses, grads, final), graphs, held) in enumerate(results):
         assert graphs >= 1, f"{name}: nothing was compiled"
+        # really cut, compiled or not: 1d halves every block matrix, pp keeps one stage
+        if name == "1d2":
+            mats = [k for k in held if k.startswith("blocks.") and k.endswith("weight")]
+            mats = [k for k in mats if "ln" not in k]
+            assert mats and all(held[k] == 0.5 for k in mats), (rank, held)
+        if name == "pp2":  # a replica would hold every parameter of the model
+            assert 0 < len(held) < len(dict(model.named_parameters())), (rank, sorted(held))
         # float64: AOTAutograd's decompositions and sharding only reorder sums
         got = mean_losses if data_parallel else losses
         assert got == pytest.approx(d_losses, rel=1e-10), (name, rank)
