@@ -58,7 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fast",
         action="store_true",
-        help="'engine fast' row instead of 'engine': the engine's compile (per block), cuDNN attention",
+        help="'engine fast' row instead of 'engine': the engine's compile (model and loss), cuDNN "
+        "attention",
+    )
+    p.add_argument(
+        "--fp8", action="store_true", help="also an 'engine fast fp8' row (torchao float8)"
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="override the stated peak")
     args = p.parse_args(argv)
@@ -150,6 +154,8 @@ class PlainLoop:
 
 
 FAST = dict(compile=True, attention=dict(backends=["cudnn", "flash", "efficient", "math"]))
+FP8 = dict(FAST, fp8=True)  # and torchao float8 matmuls in the block Linears
+EXTRAS = {"fast": FAST, "fp8": dict(fp8=True)}  # by name (scripts/profile_step.py)
 
 
 class EngineLoop:
@@ -209,6 +215,8 @@ def single_device(args, preset: str) -> dict[str, float]:
         loops["engine fast"] = EngineLoop(cfg, args, device, extra=FAST)
     else:
         loops["engine"] = EngineLoop(cfg, args, device)
+    if args.fp8:
+        loops["engine fast fp8"] = EngineLoop(cfg, args, device, extra=FP8)
     best = dict.fromkeys(loops, 0.0)
     for _ in range(args.rounds):
         for name, loop in loops.items():

@@ -57,6 +57,7 @@ __all__ = [
     "ChunkedLossConfig",
     "CompileConfig",
     "AttentionConfig",
+    "Fp8Config",
 ]
 
 
@@ -117,6 +118,12 @@ class CompileConfig(_Section):
         "False: the whole model; None: per block where tensor or pipeline parallelism or ZeRO "
         "3 put collectives or hooks in the model, else whole",
     )
+    loss: bool | None = Field(
+        None,
+        description="compile the criterion too, so the LM head's cross entropy reads the bf16 "
+        "logits once and never writes them in fp32; None: unless a tensor mode or chunked_loss "
+        "puts collectives or deferred logits in it",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -136,6 +143,33 @@ class AttentionConfig(_Section):
         description=f"kernels to allow, first preferred, from {list(SDPA_BACKENDS)}; cuDNN "
         "first is fastest on Hopper",
     )
+
+
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+class Fp8Config(_Section):
+    """``fp8``: float8 matmuls in the model's ``nn.Linear`` layers through torchao's float8
+    training (``gridtrain.amp.fp8``); ``True`` takes the defaults. Off when absent."""
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+        "tensorwise",
+        description=f"torchao scaling recipe, from {list(FP8_RECIPES)}: one scale per tensor "
+        "(fastest), per row, or per row with the weight gradient in high precision",
+    )
+    skip: list[str] = Field(
+        default_factory=lambda: ["*lm_head", "*output", "*head"],
+        description="fnmatch patterns of Linear names kept in high precision (the LM head's "
+        "logits are the most precision-sensitive)",
+    )
+    min_features: PositiveInt = Field(
+        256, description="Linear layers with fewer input or output features stay high precision"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_default(cls, data: Any) -> Any:
+        return {} if data is True else data
 
 
 class ConfigError(ValueError):
@@ -173,6 +207,9 @@ class Config(BaseModel):
     attention: AttentionConfig | None = Field(
         None, description="SDPA kernel preference; None: torch's default choice"
     )
+    fp8: Fp8Config | None = Field(
+        None, description="float8 Linear matmuls (torchao); None: the fp16 section's precision"
+    )
     max_nonfinite_steps: NonNegativeInt = Field(
         3,
         description="consecutive steps with a non-finite loss or gradient norm before training "
@@ -200,6 +237,19 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        if self.fp8 is not None:
+            if self.parallel.tensor.mode is not None:
+                raise ValueError(
+                    f"fp8 converts the model's nn.Linear layers; parallel.tensor.mode "
+                    f"{self.parallel.tensor.mode!r} replaces them with its own: use fp8 with "
+                    "data, pipeline or ZeRO parallelism (parallel.tensor.mode None)"
+                )
+            amp = self.fp16.mode if self.fp16 is not None else None
+            if amp is not None and str(getattr(amp, "value", amp)) != "bf16":
+                raise ValueError(
+                    f"fp8 runs under bf16 or fp32: fp16.mode must be 'bf16' or None, got "
+                    f"{getattr(amp, 'value', amp)!r}"
+                )
         pipeline, m = self.parallel.pipeline, self.num_microbatches
         if pipeline.num_chunks > 1 and m is not None and m % pipeline.size:
             raise ValueError(  # the same words as pipeline.schedule.check_interleaved

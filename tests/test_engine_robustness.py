@@ -13,11 +13,15 @@ import gridtrain as gt
 from gridtrain.engine import NonFiniteLossError
 
 
-def _nan_run(ctx, bad_steps, fp16):
+def _nan_run(ctx, bad_steps, fp16, fused=False, defer=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if fused:  # skips on the device through found_inf (no host sync before the step)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, *_ = gt.initialize(model, opt, nn.MSELoss())
+    engine.nonfinite.defer = defer  # True: read the flag a step late, as on CUDA
     g = torch.Generator().manual_seed(1)
     stepped, weights, error = [], [], None
     try:
@@ -32,6 +36,9 @@ def _nan_run(ctx, bad_steps, fp16):
             weights.append(gt.full_state_dict(engine.model)["0.weight"].clone())
     except NonFiniteLossError as err:
         error = str(err)
+    if fused:  # the optimizer's own step count skipped the bad steps too
+        counts = {int(s["step"]) for s in engine.optimizer.state.values()}
+        stepped.append((engine.global_step, counts, engine.nonfinite_in_a_row))
     return stepped, weights, error
 
 
@@ -52,6 +59,32 @@ def test_nonfinite_loss_skips_the_step_on_every_rank(name):
         assert torch.equal(weights[1], weights[0]), "the skipped step changed nothing"
         assert all(torch.isfinite(w).all() for w in weights), "no NaN reached the weights"
         assert torch.equal(weights[-1], results[0][1][-1]), "replicas stay equal"
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_fused_optimizer_skips_on_the_device(name):
+    config = dict(CONFIGS[name], max_nonfinite_steps=3)
+    for defer in (False, True):
+        results = run_distributed(_nan_run, 2, {1}, name, True, defer, config=config)
+        for rank, (stepped, weights, error) in enumerate(results):
+            assert error is None, error
+            # deferred (CUDA): step() cannot know yet and says True; the step count is
+            # corrected at the next step, so after 5 windows 4 steps were taken either way
+            told = [True] * 5 if defer else [True, False, True, True, True]
+            assert stepped == [*told, (4, {4}, 0)], (rank, defer, stepped)
+            assert torch.equal(weights[1], weights[0]), "the device skipped the update"
+            assert not torch.equal(weights[2], weights[1]), "the next step updated"
+            assert torch.equal(weights[-1], results[0][1][-1]), "replicas stay equal"
+
+
+def test_deferred_check_still_stops_training():
+    config = dict(max_nonfinite_steps=2)
+    for stepped, _, error in run_distributed(
+        _nan_run, 2, {1, 2, 3}, "fp32", True, True, config=config
+    ):
+        # bad windows 1 and 2 are read at the steps after them: the third step() raises
+        assert stepped == [True, True, True, (1, {1}, 2)], stepped
+        assert "max_nonfinite_steps = 2" in error, error
 
 
 def test_consecutive_nonfinite_steps_stop_training():

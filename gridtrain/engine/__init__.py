@@ -8,7 +8,7 @@ from gridtrain.engine.checkpoint import (
     save_checkpoint,
     wait_pending,
 )
-from gridtrain.engine.engine import Engine, NonFiniteLossError
+from gridtrain.engine.engine import Engine
 from gridtrain.engine.hooks import (
     BaseHook,
     LoadCheckpointHook,
@@ -27,6 +27,7 @@ from gridtrain.engine.hooks_log import (
 from gridtrain.engine.hooks_metrics import AccuracyHook, LossHook, ThroughputHook
 from gridtrain.engine.initialize import initialize
 from gridtrain.engine.metrics import MetricRecord
+from gridtrain.engine.nonfinite import NonFiniteLossError
 from gridtrain.engine.schedules import NonPipelineSchedule, Schedule, StepFunctions
 from gridtrain.engine.trainer import Trainer
 

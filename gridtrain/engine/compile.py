@@ -41,6 +41,15 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
+def _kwargs(options: Any) -> dict[str, Any]:
+    return dict(
+        backend=options.backend,
+        mode=options.mode,
+        fullgraph=options.fullgraph,
+        dynamic=options.dynamic,
+    )
+
+
 def compile_model(model: nn.Module, options: Any, ctx=None) -> list[str]:
     """Compile ``model`` in place per the ``compile`` config section; returns the names
     of the compiled modules ('' is the whole model). State-dict keys do not change.
@@ -48,12 +57,7 @@ def compile_model(model: nn.Module, options: Any, ctx=None) -> list[str]:
     ``per_block=None`` compiles per block only where the model holds collectives or
     hooks (a tensor mode, pipeline stages, ZeRO 3); one process or plain data
     parallelism compiles the whole model, which fuses across blocks and launches less."""
-    kwargs = dict(
-        backend=options.backend,
-        mode=options.mode,
-        fullgraph=options.fullgraph,
-        dynamic=options.dynamic,
-    )
+    kwargs = _kwargs(options)
     per_block = options.per_block
     if per_block is None:
         zero = getattr(ctx.config, "zero", None) if ctx is not None else None
@@ -71,3 +75,24 @@ def compile_model(model: nn.Module, options: Any, ctx=None) -> list[str]:
     names = [name for name, _ in blocks]
     logger.info("compiled %d module(s) with %s: %s", len(names), options.backend, names[:4])
     return names
+
+
+def compile_criterion(criterion: Any, options: Any, ctx) -> Any:
+    """The criterion compiled per ``compile.loss`` (returned unchanged where it stays eager).
+
+    Eager cross entropy under autocast writes the whole ``[tokens, vocab]`` logits again in
+    fp32 and runs softmax over them twice (forward and backward); compiled, one fused
+    kernel reads the bf16 logits and the backward writes their gradient directly. A
+    module keeps its identity (its instance ``forward`` is compiled), a function is wrapped.
+    """
+    on = options.loss
+    if on is None:
+        on = ctx.tensor_mode is None and getattr(ctx.config, "chunked_loss", None) is None
+    if not on or criterion is None:
+        return criterion
+    if isinstance(criterion, nn.Module):
+        criterion.forward = torch.compile(criterion.forward, **_kwargs(options))
+    else:
+        criterion = torch.compile(criterion, **_kwargs(options))
+    logger.info("compiled the criterion with %s", options.backend)
+    return criterion

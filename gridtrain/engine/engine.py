@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
@@ -29,6 +28,11 @@ from gridtrain.amp.torch_amp import autocast
 from gridtrain.engine.accumulation import GradientAccumulation
 from gridtrain.engine.clip import clip_grad_norm
 from gridtrain.engine.data_parallel import OverlappedDataParallel
+from gridtrain.engine.nonfinite import (
+    NonFiniteGuard,
+    found_inf,
+    fused_skip_target,
+)
 from gridtrain.engine.schedules import Schedule, StepFunctions
 from gridtrain.engine.sdpa import sdpa_context
 from gridtrain.gradient_handlers.base import GradientHandler
@@ -53,10 +57,6 @@ class _SplitCriterion(nn.Module):
     def forward(self, output: Any, *labels: Any, **kwargs: Any) -> Tensor:
         engine = self._engine[0]
         return engine.compute_loss(output, *engine.split_batch(labels), **kwargs)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training stopped: the loss or gradient norm was not finite ``max_nonfinite_steps`` times."""
 
 
 class Engine:
@@ -89,14 +89,16 @@ class Engine:
         self.clip_grad_norm = ctx.config.clip_grad_norm
         self._attention = getattr(ctx.config, "attention", None)
         self.max_nonfinite_steps = getattr(ctx.config, "max_nonfinite_steps", 3)
+        multi = ctx.world_size(ParallelMode.GLOBAL) > 1
+        self.nonfinite = NonFiniteGuard(
+            ctx.device, ctx.group(ParallelMode.GLOBAL) if multi else None, self.max_nonfinite_steps
+        )
         self.accumulation = GradientAccumulation(ctx.config.gradient_accumulation)
         self._user_criterion = criterion
         self.criterion = _SplitCriterion(criterion, self) if criterion is not None else None
         self.global_step = 0  # optimizer steps taken (skipped steps not counted)
         self.last_grad_norm: Tensor | None = None  # before clipping, when clipping is on
         self.last_step_skipped = False  # the last window overflowed (fp16) or was not finite
-        self.nonfinite_in_a_row = 0
-        self._nonfinite: Tensor | None = None  # any non-finite loss in this window (on device)
         self._bn_buffers = _batchnorm_buffers(model)
         self.steps = StepFunctions(
             forward=self.forward_split,
@@ -185,8 +187,7 @@ class Engine:
 
     def _scaled_backward(self, loss: Tensor) -> None:
         """Back-propagate ``loss`` divided by the accumulation size, times the fp16 scale."""
-        finite = torch.isfinite(loss.detach()).all()
-        self._nonfinite = ~finite if self._nonfinite is None else self._nonfinite | ~finite
+        self.nonfinite.observe_loss(loss)
         loss = self.accumulation.scale(loss)
         if isinstance(self.optimizer, AmpOptimizer):
             self.optimizer.backward(loss)  # multiplies by the loss scale
@@ -247,15 +248,35 @@ class Engine:
         overflow = amp.unscale_and_check() if amp is not None else False
         if self.clip_grad_norm > 0 and not overflow:
             self.last_grad_norm = clip_grad_norm(self._params(), self.clip_grad_norm, self.ctx)
-        nonfinite = False
+        guard = self.nonfinite
+        settled = guard.settle()  # the previous window's flag (CUDA: read a step late)
+        if settled is not None:
+            self.global_step -= settled  # it was counted as taken
+            guard.record(settled, self.global_step, None)
+        nonfinite, flag = False, None
+        device_skip = self._device_skip_target(amp)
         if getattr(amp, "scaler", None) is None:  # no loss scaler looks out for inf/NaN
-            nonfinite = self._nonfinite_window()
+            norm = self.last_grad_norm if self.clip_grad_norm > 0 else None
+            flag = guard.window_flag(norm)
+            if device_skip is None:
+                nonfinite = bool(flag.item())
+                guard.record(nonfinite, self.global_step, self.zero_grad_all)
+        else:
+            guard.reset()
         skip = overflow or nonfinite
         if not skip:
-            self.optimizer.step()
+            with found_inf(device_skip, flag) if device_skip else contextlib.nullcontext():
+                self.optimizer.step()
             if self.zero is not None:
                 self.zero.after_step()  # stages 1-2: all-gather the updated rows
             self.global_step += 1
+            if device_skip is not None:
+                outcome = guard.defer_to(flag)  # None: known at the next step (CUDA)
+                if outcome:
+                    self.global_step -= 1
+                    nonfinite = skip = True
+                if outcome is not None:
+                    guard.record(outcome, self.global_step, self.zero_grad_all)
         if amp is not None:
             amp.update_scale(overflow)
         if overflow:
@@ -265,35 +286,19 @@ class Engine:
         self.last_step_skipped = skip
         return not skip
 
-    def _nonfinite_window(self) -> bool:
-        """Whether any rank saw a non-finite loss (or the clipped norm is not finite)."""
-        flag = self._nonfinite
-        self._nonfinite = None
-        bad = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        if flag is not None:
-            bad = flag.float().to(bad.device)
-        if self.last_grad_norm is not None and self.clip_grad_norm > 0:
-            bad = torch.maximum(bad, (~torch.isfinite(self.last_grad_norm)).float())
-        if self.ctx.world_size(ParallelMode.GLOBAL) > 1:
-            comm.all_reduce_(bad, self.ctx.group(ParallelMode.GLOBAL), op=dist.ReduceOp.MAX)
-        if not bad.item():
-            self.nonfinite_in_a_row = 0
-            return False
-        self.nonfinite_in_a_row += 1
-        self.zero_grad_all()
-        logger.warning(
-            "non-finite loss or gradient norm: step %d skipped on every rank (%d in a row)",
-            self.global_step,
-            self.nonfinite_in_a_row,
-        )
-        limit = self.max_nonfinite_steps
-        if limit and self.nonfinite_in_a_row >= limit:
-            raise NonFiniteLossError(
-                f"the loss or gradient norm was not finite in {self.nonfinite_in_a_row} steps "
-                f"in a row (max_nonfinite_steps = {limit}); lower the learning rate, clip "
-                "gradients or check the data"
-            )
-        return True
+    def _device_skip_target(self, amp) -> torch.optim.Optimizer | None:
+        """The fused torch optimizer that skips on a device flag, where one may (not under
+        a loss scaler, which has its own check, nor FSDP2's DTensor parameters)."""
+        if getattr(amp, "scaler", None) is not None:
+            return None
+        if self.zero is not None and self.zero.stage == 3:
+            return None
+        return fused_skip_target(self.optimizer)
+
+    @property
+    def nonfinite_in_a_row(self) -> int:
+        """Optimizer windows in a row whose loss or gradient norm was not finite."""
+        return self.nonfinite.in_a_row
 
     def zero_grad_all(self) -> None:
         """Drop every gradient now (a skipped window must not leak into the next one)."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from gridtrain.amp import convert_to_amp
 from gridtrain.config import GradientHandlerConfig
-from gridtrain.engine.compile import compile_model
+from gridtrain.engine.compile import compile_criterion, compile_model
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.engine import Engine
 from gridtrain.engine.optimizer_rebind import rebind_optimizer
@@ -112,7 +112,7 @@ def initialize(
 
     Reads the context's config: the tensor mode and plan (``parallel.tensor``), pipeline
     stages (``parallel.pipeline``), mixed precision (``fp16``), ``gradient_handler``,
-    ``gradient_accumulation``, ``clip_grad_norm``, ``zero``, ``compile`` and ``attention``. A plain PyTorch or Hugging Face
+    ``gradient_accumulation``, ``clip_grad_norm``, ``zero``, ``fp8``, ``compile`` and ``attention``. A plain PyTorch or Hugging Face
     model is sharded in place: its Linear, Embedding and norm layers become the mode's
     layers under the same names, starting from the weights the model holds, and
     ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
@@ -157,8 +157,13 @@ def initialize(
     if criterion is not None and isinstance(criterion, nn.Module):
         criterion.to(ctx.device)
     broadcast_from_first_replica(model, ctx)
+    if cfg.fp8 is not None:  # same parameters, float8 matmuls: before compile traces them
+        from gridtrain.amp.fp8 import convert_to_fp8
+
+        convert_to_fp8(model, cfg.fp8)
     if cfg.compile is not None:  # the blocks' forwards; hooks added later stay outside
         compile_model(model, cfg.compile, ctx)
+        criterion = compile_criterion(criterion, cfg.compile, ctx)
     zero = build_zero(model, optimizer, ctx)  # rebinds the optimizer to this rank's rows
     model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx, zero)
 

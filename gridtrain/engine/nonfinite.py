@@ -1,0 +1,131 @@
+"""The non-finite guard: a NaN/inf loss or gradient norm skips the optimizer step on every rank.
+
+Without a loss scaler nothing else looks out for inf/NaN (fp32, bf16). The flag is
+one device scalar per accumulation window (any micro-step's loss, the clipped norm),
+maxed over every rank. Asking the host "was it bad?" before stepping is a
+device-to-host sync each step, which leaves the GPU idle while the next step's
+kernels are launched. Optimizers that take torch's ``found_inf`` argument (the
+fused Adam/AdamW/SGD, as GradScaler drives them) skip on the device instead; on
+CUDA the host then reads the flag one step later, from a pinned copy, when it is
+long done, so the counting (``global_step``, ``max_nonfinite_steps``) lags by a step
+and an LR scheduler still advances on a skipped step, as under torch's GradScaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gridtrain.parallel import comm
+
+logger = logging.getLogger("gridtrain")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training stopped: the loss or gradient norm was not finite ``max_nonfinite_steps`` times."""
+
+
+class NonFiniteGuard:
+    """Collects the window's non-finite flag and decides (or lets the device decide) the skip."""
+
+    def __init__(self, device: torch.device, group, limit: int, defer: bool | None = None):
+        self.device = device
+        self.group = group  # the GLOBAL group, None on one process
+        self.limit = limit
+        self.defer = device.type == "cuda" if defer is None else defer
+        self.in_a_row = 0
+        self._flag: Tensor | None = None  # any non-finite loss in this window (on device)
+        self._pending: tuple[Tensor, object | None] | None = None  # host copy, its CUDA event
+
+    def observe_loss(self, loss: Tensor) -> None:
+        """Note one micro-step's loss (no sync)."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._flag = bad if self._flag is None else self._flag | bad
+
+    def reset(self) -> None:
+        """Forget this window's losses (a loss scaler checks them instead)."""
+        self._flag = None
+
+    def window_flag(self, grad_norm: Tensor | None) -> Tensor:
+        """This window's flag as a float device scalar, maxed over every rank; resets the window."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self._flag is not None:
+            bad = self._flag.float().to(bad.device)
+        self._flag = None
+        if grad_norm is not None:
+            bad = torch.maximum(bad, (~torch.isfinite(grad_norm)).float())
+        if self.group is not None:
+            comm.all_reduce_(bad, self.group, op=dist.ReduceOp.MAX)
+        return bad
+
+    def record(self, bad: bool, step: int, drop_grads: Callable[[], None] | None) -> None:
+        """Count a window's outcome; ``max_nonfinite_steps`` bad ones in a row raise."""
+        if not bad:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if drop_grads is not None:
+            drop_grads()
+        logger.warning(
+            "non-finite loss or gradient norm: step %d skipped on every rank (%d in a row)",
+            step,
+            self.in_a_row,
+        )
+        if self.limit and self.in_a_row >= self.limit:
+            raise NonFiniteLossError(
+                f"the loss or gradient norm was not finite in {self.in_a_row} steps "
+                f"in a row (max_nonfinite_steps = {self.limit}); lower the learning rate, clip "
+                "gradients or check the data"
+            )
+
+    def defer_to(self, bad: Tensor) -> bool | None:
+        """After a device-skipped step: this window's outcome now (CPU), or None on CUDA,
+        where it is queued and the previous window's is returned by :meth:`settle`."""
+        if not self.defer:
+            return bool(bad.item())
+        event = None
+        if bad.is_cuda:  # a pinned copy the host can read without waiting for this step
+            host = torch.empty((), dtype=bad.dtype, pin_memory=True)
+            host.copy_(bad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = bad.clone()
+        self._pending = (host, event)
+        return None
+
+    def settle(self) -> bool | None:
+        """The queued window's outcome (waits for it; it is a step old), or None if none is queued."""
+        if self._pending is None:
+            return None
+        host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        return bool(host.item())
+
+
+def fused_skip_target(optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer under ``optimizer`` if it can skip a step on ``found_inf`` itself."""
+    inner = getattr(optimizer, "optim", optimizer)
+    if isinstance(inner, torch.optim.Optimizer) and getattr(
+        inner, "_step_supports_amp_scaling", False
+    ):
+        return inner
+    return None
+
+
+@contextlib.contextmanager
+def found_inf(optimizer: torch.optim.Optimizer, flag: Tensor) -> Iterator[None]:
+    """Hand ``flag`` to a fused optimizer's next step (it leaves the parameters and its
+    step counts unchanged where the flag is non-zero)."""
+    optimizer.found_inf = flag
+    try:
+        yield
+    finally:
+        del optimizer.found_inf

@@ -1,0 +1,95 @@
+"""Where a training step's time goes: the plain loop against the engine, under torch.profiler.
+
+    python scripts/profile_step.py --preset small --steps 5 [--extra fast|fp8|fast+fp8]
+
+For each loop of ``benchmarks/gpt_throughput.py`` it profiles a few steps after warm-up
+and prints the wall time per step, the GPU-busy time per step (union of kernel
+intervals), the idle remainder, host-device syncs, and the kernels that take the most
+time, so an engine/plain gap can be split into "more GPU work" and "GPU waiting".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import gpt_throughput as gb  # noqa: E402
+from demos.gpt import model as gpt_model  # noqa: E402
+
+
+def busy_us(events) -> float:
+    """Microseconds during which at least one kernel ran (overlaps counted once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    total, end = 0.0, -1.0
+    for s, e in spans:
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def profile_loop(name: str, loop, batches, steps: int) -> None:
+    for i in range(5):
+        loop.step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for i in range(steps):
+            loop.step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps * 1e6
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = busy_us(kernels) / steps
+    syncs = sum(
+        1
+        for e in events
+        if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    )
+    memcpy = sum(1 for e in events if "Memcpy" in e.name and "DtoH" in e.name)
+    print(
+        f"\n== {name}: wall {wall / 1e3:.2f} ms/step (profiled), GPU busy {busy / 1e3:.2f} ms, "
+        f"idle {(wall - busy) / 1e3:.2f} ms; kernels/step {len(kernels) / steps:.0f}; "
+        f"syncs {syncs / steps:.1f}/step; DtoH copies {memcpy / steps:.1f}/step"
+    )
+    per: dict[str, list[float]] = {}
+    for e in kernels:
+        per.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(per.items(), key=lambda kv: -sum(kv[1]))[:18]
+    for k, v in top:
+        print(f"  {sum(v) / steps / 1e3:8.3f} ms  x{len(v) / steps:5.1f}  {k[:110]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--extra", default="fast", help="engine extras: fast, fp8, fast+fp8")
+    a = p.parse_args()
+    args = gb.parse_args(
+        ["--device", "cuda", "--compile", "--batch-size", str(a.batch_size), "--presets", a.preset]
+    )
+    gb.gt.launch(gb.config_for(args), 0, 1, "127.0.0.1", gb.free_port())
+    cfg = gpt_model.preset(a.preset, block_size=1024)
+    batches = gb.make_batches(cfg, args, "cuda")
+    profile_loop("plain compiled", gb.PlainLoop(cfg, args, "cuda"), batches, a.steps)
+    extra: dict = {}
+    for part in a.extra.split("+"):
+        extra.update(gb.EXTRAS[part])
+    profile_loop(f"engine {a.extra}", gb.EngineLoop(cfg, args, "cuda", extra), batches, a.steps)
+    gb.gt.destroy()
+
+
+if __name__ == "__main__":
+    main()
