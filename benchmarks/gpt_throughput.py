@@ -155,7 +155,8 @@ class PlainLoop:
 
 FAST = dict(compile=True, attention=dict(backends=["cudnn", "flash", "efficient", "math"]))
 FP8 = dict(FAST, fp8=True)  # and torchao float8 matmuls in the block Linears
-EXTRAS = {"fast": FAST, "fp8": dict(fp8=True)}  # by name (scripts/profile_step.py)
+# engine-only config keys by name (scripts/profile_step.py)
+EXTRAS = {"fast": FAST, "fp8": dict(fp8=True), "zero1": dict(zero=1), "zero2": dict(zero=2)}
 
 
 class EngineLoop:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
-# 10-minute window: `scripts/h200_runs.sh a|b OUTDIR`. GPU work is pinned to cores 0-3; CPU
+# 10-minute window: `scripts/h200_runs.sh a|b|c|d OUTDIR`. GPU work is pinned to cores 0-3; CPU
 # tables (gloo processes) run meanwhile on the other cores.
 set -uo pipefail
 PART=$1
@@ -21,6 +21,18 @@ elif [ "$PART" = b ]; then  # make test-gpu, the throughput targets
   $GPU timeout 150 $PY -m pytest -q -p no:cacheprovider tests/gpu >"$OUT/test_gpu.log" 2>&1
   $GPU timeout 300 $PY benchmarks/gpt_throughput.py --compile --fast --rounds 2 >"$OUT/gpt.log" 2>&1
   $GPU timeout 100 $PY benchmarks/hf_throughput.py >"$OUT/hf_throughput.log" 2>&1
+  wait
+elif [ "$PART" = d ]; then  # ResNet ZeRO rows on the host CPU; MoE at size, fp8 parity, ZeRO profile
+  mkdir -p /tmp/bin && ln -sf "$(command -v $PY)" /tmp/bin/python
+  printf '#!/bin/sh\nexec %s -m gridtrain.cli "$@"\n' "$PY" >/tmp/bin/gridtrain && chmod +x /tmp/bin/gridtrain
+  for row in zero1 zero2 zero3 gemini; do
+    ROWS=$row BIN=/tmp/bin $CPUS timeout 500 bash demos/resnet/measure_cpu.sh >"$OUT/resnet_$row.log" 2>&1 &
+  done
+  {
+    $GPU timeout 150 $PY benchmarks/moe_throughput.py --device cuda --hidden 512 --rounds 2
+    $GPU timeout 120 $PY scripts/profile_step.py --preset small --extra fast+zero2
+  } >"$OUT/moe_zero.log" 2>&1
+  $GPU timeout 220 $PY benchmarks/fp8_parity.py --plot "$OUT/fp8_parity.png" >"$OUT/fp8.log" 2>&1
   wait
 else  # MoE, schedule overhead, largest batch, ZeRO, ResNet
   {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces the CPU column of README.md's table: five short runs on the synthetic set.
+# Reproduces the CPU column of README.md's table: short runs on the synthetic set.
 # Usage: demos/resnet/measure_cpu.sh [extra train.py args], from the repository root.
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
@@ -14,8 +14,12 @@ run() {  # name, nproc, config
       demos/resnet/train.py "${ARGS[@]}"
   fi 2>&1 | grep -E "epoch|accuracy|Error|error" || true
 }
-run "single fp32" 1 fp32
-run "DP fp32" 2 fp32
-run "DP torch fp16" 2 torch_fp16
-run "DP naive fp16" 2 naive_fp16
-run "DP bf16" 2 bf16
+# ROWS picks rows by config name (default: the five precision rows); the ZeRO rows are
+# zero1 zero2 zero3 gemini (two data-parallel ranks each, as the DP rows)
+ROWS=${ROWS:-"single fp32 torch_fp16 naive_fp16 bf16"}
+declare -A NAME=([single]="single fp32" [fp32]="DP fp32" [torch_fp16]="DP torch fp16"
+  [naive_fp16]="DP naive fp16" [bf16]="DP bf16" [zero1]="ZeRO 1" [zero2]="ZeRO 2"
+  [zero3]="ZeRO 3" [gemini]="Gemini (ZeRO 3 + offload)")
+for row in $ROWS; do
+  if [ "$row" = single ]; then run "${NAME[$row]}" 1 fp32; else run "${NAME[$row]}" 2 "$row"; fi
+done
