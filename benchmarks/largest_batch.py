@@ -1,6 +1,7 @@
 """The largest GPT batch that trains on one GPU: plain PyTorch against the engine with
 ``chunked_loss`` (the LM head and cross entropy per token chunk, so the ``[tokens, vocab]``
-logits, their fp32 copy and their gradient never exist whole).
+logits, their fp32 copy and their gradient never exist whole), and with
+``activation_checkpoint`` added (each block's activations recomputed in the backward).
 
     python benchmarks/largest_batch.py                       # GPU: GPT-2 350M, seq 1024, bf16
     python benchmarks/largest_batch.py --device cpu --preset tiny --seq-len 64   # CI form
@@ -31,6 +32,9 @@ import gridtrain as gt  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 
 CHUNKED = dict(chunked_loss=dict(chunk_tokens=8192))
+# and every block recomputed in the backward (Megatron's full recompute)
+RECOMPUTE = dict(CHUNKED, activation_checkpoint=True)
+MODES = {"plain": None, "engine chunked_loss": CHUNKED, "engine + recompute": RECOMPUTE}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +69,7 @@ def _peak(mode: str, cfg, args, batch: int) -> float:
         loop = (
             gpt.PlainLoop(cfg, args, device)
             if mode == "plain"
-            else (gpt.EngineLoop(cfg, args, device, extra=CHUNKED))
+            else (gpt.EngineLoop(cfg, args, device, extra=MODES[mode]))
         )
         for b in gpt.make_batches(cfg, args, device, n=2):
             loop.step(b)
@@ -102,7 +106,7 @@ def main(argv=None) -> list[dict]:
     cfg = gpt_model.preset(args.preset, block_size=max(args.seq_len, 64))
     gt.launch(gpt.config_for(args), 0, 1, "127.0.0.1", gpt.free_port(),
               backend="gloo" if args.device == "cpu" else None)  # fmt: skip
-    rows = [largest(mode, cfg, args) for mode in ("plain", "engine chunked_loss")]
+    rows = [largest(mode, cfg, args) for mode in MODES]
     gt.destroy()
     print(
         f"\nlargest batch: GPT {args.preset} ({cfg.num_params() / 1e6:.0f}M), seq {args.seq_len}, "

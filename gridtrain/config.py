@@ -58,6 +58,7 @@ __all__ = [
     "CompileConfig",
     "AttentionConfig",
     "Fp8Config",
+    "ActivationCheckpointConfig",
 ]
 
 
@@ -145,6 +146,21 @@ class AttentionConfig(_Section):
     )
 
 
+class ActivationCheckpointConfig(_Section):
+    """``activation_checkpoint``: recompute blocks' activations in the backward
+    (``gridtrain.engine.recompute``); ``True`` takes the defaults."""
+
+    every: PositiveInt = Field(
+        1,
+        description="checkpoint every n-th block of the model's block list (1: all, full recompute)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_is_default(cls, data: Any) -> Any:
+        return {} if data is True else data
+
+
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
@@ -206,6 +222,9 @@ class Config(BaseModel):
     )
     attention: AttentionConfig | None = Field(
         None, description="SDPA kernel preference; None: torch's default choice"
+    )
+    activation_checkpoint: ActivationCheckpointConfig | None = Field(
+        None, description="recompute each block in the backward; None: keep activations"
     )
     fp8: Fp8Config | None = Field(
         None, description="float8 Linear matmuls (torchao); None: the fp16 section's precision"

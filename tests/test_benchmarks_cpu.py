@@ -137,10 +137,24 @@ def check_estimate(out):
 def check_largest(out):
     assert _row(out, "plain")[-2] == "8"  # trained batch
     assert _row(out, "engine", "chunked_loss")[-1] == "1.00"  # vs plain
+    assert _row(out, "engine", "+", "recompute")[-1] == "1.00"
+
+
+def check_fp8(out):
+    rows = [r for r in _rows(out) if r and "-" in r[0] and r[0][0].isdigit()]
+    assert len(rows) == 3, out  # steps 1-2, 3-4, 5-6
+    for r in rows:
+        assert abs(float(r[3])) < 0.5, r  # fp8 minus bf16 loss, a few steps in
+    assert "fp8/bf16" in out
 
 
 PY = [sys.executable]
 CASES = {
+    "fp8_parity": (
+        [*PY, "benchmarks/fp8_parity.py", "--device", "cpu", "--steps", "6", "--seq-len", "32"]
+        + ["--window", "2"],
+        check_fp8,
+    ),
     "gpt_throughput": (
         [*PY, "benchmarks/gpt_throughput.py", "--device", "cpu", "--tp", "2"]
         + ["--steps", "2", "--warmup", "1", "--rounds", "2"],

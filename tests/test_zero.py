@@ -118,6 +118,9 @@ LAYOUTS = {
     "dp4-stage3-offload": (4, dict(zero=dict(stage=3, offload=True)), 0.0),
     # blocks compiled (test_compile.py): FSDP2's gathers stay hooks outside the graphs
     "dp2-stage3-compiled": (2, dict(zero=3, compile=dict(backend="aot_eager")), 0.0),
+    # each block recomputed in the backward (test_activation_checkpoint.py): FSDP2 gathers
+    # the block for its backward, and the recompute runs inside that
+    "dp2-stage3-recompute": (2, dict(zero=3, activation_checkpoint=True), 0.0),
     "dp2-1d2-stage2": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=2), 0.0),
     "1d2-stage1 (a data group of one)": (
         2,

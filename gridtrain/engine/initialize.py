@@ -23,6 +23,7 @@ from gridtrain.engine.compile import compile_criterion, compile_model
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.engine import Engine
 from gridtrain.engine.optimizer_rebind import rebind_optimizer
+from gridtrain.engine.recompute import apply_activation_checkpoint, block_types
 from gridtrain.engine.schedules import NonPipelineSchedule
 from gridtrain.gradient_handlers import DATA_PARALLEL_HANDLERS, handler_class
 from gridtrain.parallel import comm
@@ -112,7 +113,8 @@ def initialize(
 
     Reads the context's config: the tensor mode and plan (``parallel.tensor``), pipeline
     stages (``parallel.pipeline``), mixed precision (``fp16``), ``gradient_handler``,
-    ``gradient_accumulation``, ``clip_grad_norm``, ``zero``, ``fp8``, ``compile`` and ``attention``. A plain PyTorch or Hugging Face
+    ``gradient_accumulation``, ``clip_grad_norm``, ``zero``, ``activation_checkpoint``, ``fp8``, ``compile`` and
+    ``attention``. A plain PyTorch or Hugging Face
     model is sharded in place: its Linear, Embedding and norm layers become the mode's
     layers under the same names, starting from the weights the model holds, and
     ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
@@ -139,6 +141,9 @@ def initialize(
     )
     example = example_from(train_dataloader, model) if needs_example else example_inputs
     plan = shard_model(model, optimizer, ctx, example)
+    recompute = None  # the block classes to checkpoint, seen on the whole model
+    if cfg.activation_checkpoint is not None:
+        recompute = block_types(model)
     # ZeRO 3 with offload keeps parameters in CPU memory: the model may exceed the device's
     home = ctx.device
     if cfg.zero is not None and cfg.zero.stage == 3 and cfg.zero.offload:
@@ -161,6 +166,8 @@ def initialize(
         from gridtrain.amp.fp8 import convert_to_fp8
 
         convert_to_fp8(model, cfg.fp8)
+    if recompute is not None:  # inside compile's graphs, outside hooks
+        apply_activation_checkpoint(model, cfg.activation_checkpoint, recompute)
     if cfg.compile is not None:  # the blocks' forwards; hooks added later stay outside
         compile_model(model, cfg.compile, ctx)
         criterion = compile_criterion(criterion, cfg.compile, ctx)

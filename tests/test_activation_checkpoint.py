@@ -1,0 +1,121 @@
+"""``activation_checkpoint``: each block keeps only its input for the backward and recomputes
+the rest, and training is unchanged (float64, exact up to summation order) in one process,
+under 1d tensor parallelism (the block's collectives run again in the backward), pipeline
+stages and compiled; ZeRO 3 (FSDP2's gathers outside the recomputed region): test_zero.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.harness import run_distributed
+from helpers.models import TinyTransformer, tiny_batches
+from helpers.parity import seeded, train_dense, train_engine
+
+import gridtrain as gt
+
+STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 64
+AC = dict(activation_checkpoint=True)
+LAYOUTS = {
+    "one process": (1, {}),
+    "1d2": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d")))),
+    "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=2)),
+    "compiled": (1, dict(compile=dict(backend="aot_eager"))),
+}
+
+
+def _model():
+    return seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ, layers=3), seed=0)
+
+
+def _loss(logits, labels):
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _recomputes(module) -> bool:
+    """The block's forward is the checkpoint wrapper (compiled or not)."""
+    fn = getattr(module.forward, "_torchdynamo_orig_callable", module.forward)
+    return getattr(fn, "__wrapped__", None) is not None
+
+
+def _train(ctx, batches):
+    torch._dynamo.reset()
+    model = _model()
+    out = train_engine(ctx, model, batches, _loss, _adamw, example_inputs=batches[0][0])
+    wrapped = sorted(
+        n
+        for n, m in model.named_modules()
+        if n.startswith("blocks.") and n.count(".") == 1 and _recomputes(m)
+    )
+    return out[0], out[1], out[2], wrapped, out[4]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_recomputed_blocks_train_as_stored_ones(name):
+    world, parallel = LAYOUTS[name]
+    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    d_losses, d_grads, d_final = train_dense(
+        _model(), batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    results = run_distributed(_train, world, batches, config=dict(AC, **parallel), timeout=300)
+    for rank, (losses, grads, final, wrapped, held) in enumerate(results):
+        if name != "pp2":
+            assert wrapped == ["blocks.0", "blocks.1", "blocks.2"], (name, wrapped)
+        else:  # each stage checkpoints the blocks it holds, and holds only its part
+            assert wrapped and len(held) < len(dict(_model().named_parameters())), wrapped
+        if name == "1d2":  # really cut: half of every block matrix on each rank
+            mats = [k for k in held if k.startswith("blocks.") and k.endswith("weight")]
+            assert all(held[k] == 0.5 for k in mats if "ln" not in k), held
+        # float64: recompute repeats the same ops; sharding only reorders sums
+        assert losses == pytest.approx(d_losses, rel=1e-10), (name, rank)
+        for k, g in (grads or {}).items():
+            torch.testing.assert_close(g, d_grads[k], rtol=1e-8, atol=1e-12, msg=f"{name} {k}")
+        for k, v in final.items():  # AdamW on near-zero gradients amplifies rounding
+            torch.testing.assert_close(v, d_final[k], rtol=1e-4, atol=1e-8, msg=f"{name} {k}")
+
+
+def _saved_bytes(ctx, every):
+    """Bytes the forward saves for the backward (torch's saved-tensor hooks see each one)."""
+    model = _model()
+    cfg = dict(activation_checkpoint=dict(every=every)) if every else {}
+    ctx.config = gt.Config.from_dict(cfg)
+    engine, *_ = gt.initialize(model, _adamw(model), _loss)
+    x, y = tiny_batches(1, BATCH, SEQ, VOCAB)[0]
+    total = []
+
+    def pack(t):
+        total.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine.criterion(engine(x), y)
+    loss.backward()
+    return sum(total)
+
+
+def _saved_each(ctx):
+    return _saved_bytes(ctx, 1), _saved_bytes(ctx, 2), _saved_bytes(ctx, 0)
+
+
+def test_checkpointed_blocks_save_less_for_the_backward():
+    ((full, every2, none),) = run_distributed(_saved_each, 1)
+    # 3 blocks: all checkpointed keep about their inputs; every=2 recomputes blocks 0 and 2
+    assert full < every2 < none, (full, every2, none)
+    assert full < 0.5 * none, (full, none)
+
+
+def _no_blocks(ctx):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(ValueError, match="activation_checkpoint"):
+        gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return True
+
+
+def test_a_model_without_blocks_is_an_error_naming_the_key():
+    assert run_distributed(_no_blocks, 1, config=AC) == [True]
+    with pytest.raises(gt.ConfigError, match="every"):
+        gt.Config.from_dict(dict(activation_checkpoint=dict(every=0)))
