@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
-# 10-minute window: `scripts/h200_runs.sh a|b|c|d OUTDIR`. GPU work is pinned to cores 0-3; CPU
+# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e OUTDIR`. GPU work is pinned to cores 0-3; CPU
 # tables (gloo processes) run meanwhile on the other cores.
 set -uo pipefail
 PART=$1
@@ -22,11 +22,16 @@ elif [ "$PART" = b ]; then  # make test-gpu, the throughput targets
   $GPU timeout 300 $PY benchmarks/gpt_throughput.py --compile --fast --rounds 2 >"$OUT/gpt.log" 2>&1
   $GPU timeout 100 $PY benchmarks/hf_throughput.py >"$OUT/hf_throughput.log" 2>&1
   wait
+elif [ "$PART" = e ]; then  # GPU only, nothing else on the host: batch, ZeRO, ResNet, MoE profile
+  $GPU timeout 220 $PY benchmarks/largest_batch.py >"$OUT/largest.log" 2>&1
+  $GPU timeout 100 $PY benchmarks/zero_memory.py throughput >"$OUT/zero.log" 2>&1
+  $GPU timeout 80 $PY benchmarks/resnet_throughput.py --steps 20 --repeats 3 >"$OUT/resnet.log" 2>&1
+  $GPU timeout 90 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
 elif [ "$PART" = d ]; then  # ResNet ZeRO rows on the host CPU; MoE at size, fp8 parity, ZeRO profile
   mkdir -p /tmp/bin && ln -sf "$(command -v $PY)" /tmp/bin/python
   printf '#!/bin/sh\nexec %s -m gridtrain.cli "$@"\n' "$PY" >/tmp/bin/gridtrain && chmod +x /tmp/bin/gridtrain
   for row in zero1 zero2 zero3 gemini; do
-    ROWS=$row BIN=/tmp/bin $CPUS timeout 500 bash demos/resnet/measure_cpu.sh >"$OUT/resnet_$row.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES= ROWS=$row BIN=/tmp/bin $CPUS timeout 500 bash demos/resnet/measure_cpu.sh >"$OUT/resnet_$row.log" 2>&1 &
   done
   {
     $GPU timeout 150 $PY benchmarks/moe_throughput.py --device cuda --hidden 512 --rounds 2

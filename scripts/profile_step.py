@@ -39,13 +39,18 @@ def busy_us(events) -> float:
 
 
 def profile_loop(name: str, loop, batches, steps: int) -> None:
+    report(name, loop.step, batches, steps)
+
+
+def report(name: str, step, batches, steps: int) -> None:
+    """Profile ``steps`` calls of ``step(batch)`` after 5 untimed ones; print the summary."""
     for i in range(5):
-        loop.step(batches[i % len(batches)])
+        step(batches[i % len(batches)])
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for i in range(steps):
-            loop.step(batches[i % len(batches)])
+            step(batches[i % len(batches)])
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps * 1e6
     events = prof.events()
