@@ -156,3 +156,21 @@ def test_throughput_benchmark_cpu_tiny(capsys):
     out = capsys.readouterr().out
     for name in ("grouped/bmm", "grouped/grouped_mm", "capacity", "dense"):
         assert f"cpu    {name}" in out, out
+
+
+def test_row_bias_gradient_is_each_experts_row_sum():
+    """The grouped_mm path's bias: forward bias[expert], backward a segment sum per expert
+    (an expert with no rows gets zero), equal to advanced indexing's in float64."""
+    from gridtrain.parallel.moe.experts import _RowBias
+
+    counts = torch.tensor([3, 0, 5, 1])
+    expert = torch.repeat_interleave(torch.arange(4), counts)
+    bias = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(int(counts.sum()), 6, dtype=torch.float64)
+    out = _RowBias.apply(bias, expert, counts)
+    (got,) = torch.autograd.grad(out, bias, grad)
+    ref = bias[expert]
+    (want,) = torch.autograd.grad(ref, bias, grad)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # sums of the same terms
+    assert torch.equal(got[1], torch.zeros(6, dtype=torch.float64))
