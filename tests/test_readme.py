@@ -38,11 +38,19 @@ def test_every_engine_key_is_documented():
         from gridtrain.config import ZeroConfig
 
         keys += [f"zero.{k}" for k in ZeroConfig.model_fields]
-    from gridtrain.config import AttentionConfig, ChunkedLossConfig, CompileConfig
+    from gridtrain.config import (
+        ActivationCheckpointConfig,
+        AttentionConfig,
+        ChunkedLossConfig,
+        CompileConfig,
+        Fp8Config,
+    )
 
     keys += [f"chunked_loss.{k}" for k in ChunkedLossConfig.model_fields]
     keys += [f"compile.{k}" for k in CompileConfig.model_fields]
     keys += [f"attention.{k}" for k in AttentionConfig.model_fields]
+    keys += [f"activation_checkpoint.{k}" for k in ActivationCheckpointConfig.model_fields]
+    keys += [f"fp8.{k}" for k in Fp8Config.model_fields]
     missing = [k for k in keys if f"`{k}`" not in README]
     assert not missing, f"README config reference lacks {missing}"
 
