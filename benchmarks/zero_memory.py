@@ -282,7 +282,13 @@ def measure(mode: str, size, args) -> dict:
 
 def throughput(args) -> None:
     size = (12, 768, 12) if args.device == "cuda" else CPU_SIZES["small"]
-    rows = [measure(mode, size, args) for mode in ("plain", "zero1", "zero2")]
+    modes, best = ("plain", "zero1", "zero2"), {}
+    for i in range(args.passes):  # whole passes in alternating order: clock drift hits all
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            row = measure(mode, size, args)
+            if mode not in best or row["tok_s"] > best[mode]["tok_s"]:
+                best[mode] = row
+    rows = [best[m] for m in modes]
     plain = rows[0]["tok_s"]
     print(f"\nGPT {rows[0]['params'] / 1e6:.0f}M, batch {args.batch_size} x {args.seq_len} "
           f"per rank, {args.world} rank(s), bf16 (tokens/s, all ranks)")  # fmt: skip
@@ -356,6 +362,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="throughput: timed steps per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--passes", type=int, default=None, help="throughput: passes over the modes (cuda 2)"
+    )
     p.add_argument("--probe-timeout", type=int, default=240, help="largest: seconds per size")
     args = p.parse_args(argv)
     if args.device == "auto":
@@ -366,6 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.warmup = min(args.warmup, 1)
         args.rounds = min(args.rounds, 1)
     args.seq_len = args.seq_len or (1024 if args.device == "cuda" else 64)
+    args.passes = args.passes or (2 if args.device == "cuda" else 1)
     return args
 
 
