@@ -230,7 +230,10 @@ class Engine:
 
         Returns True when the optimizer stepped; False inside a window, when fp16
         gradients overflowed, or when the loss or gradient norm was not finite (fp32 and
-        bf16: every rank skips; ``max_nonfinite_steps`` such steps in a row raise).
+        bf16: every rank skips; ``max_nonfinite_steps`` such steps in a row raise). With a
+        fused optimizer on CUDA the non-finite skip happens on the device and is known
+        one step later (``gridtrain.engine.nonfinite``): this step returns True, and the
+        next one corrects ``global_step`` and the count.
         """
         if not self.accumulation.window_complete:
             return False
