@@ -79,6 +79,12 @@ class TorchAmpOptimizer(AmpOptimizer):
         return self.scaler.scale(loss)
 
     def unscale_and_check(self) -> bool:
+        return bool(self.unscale_flag().item())
+
+    def unscale_flag(self) -> Tensor:
+        """Unscale; the overflow flag agreed over the ranks, left on the device (no host
+        sync). ``step()`` then skips on it inside a fused optimizer (GradScaler hands it
+        over as ``found_inf``), and ``update_scale`` backs the scale off on the device."""
         self.scaler.unscale_(self.optim)
         # GradScaler keeps its per-device found-inf flags here; step() and update() read them
         per_device = self.scaler._per_optimizer_states[id(self.optim)]["found_inf_per_device"]
@@ -90,7 +96,7 @@ class TorchAmpOptimizer(AmpOptimizer):
             per_device[self.ctx.device] = found.clone()
         for flag in per_device.values():
             flag.copy_(found)
-        return bool(found.item())
+        return found
 
     def step(self) -> None:
         self.scaler.step(self.optim)

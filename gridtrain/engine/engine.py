@@ -248,10 +248,17 @@ class Engine:
             for handler in self.gradient_handlers:
                 handler.handle_gradient()
         amp = self.optimizer if isinstance(self.optimizer, AmpOptimizer) else None
-        overflow = amp.unscale_and_check() if amp is not None else False
+        guard = self.nonfinite
+        overflow, overflow_flag = False, None
+        if self._scaler_skips_on_device(amp):  # fused optimizer: GradScaler skips in-kernel
+            overflow_flag = amp.unscale_flag()
+        elif amp is not None:
+            overflow = amp.unscale_and_check()
         if self.clip_grad_norm > 0 and not overflow:
             self.last_grad_norm = clip_grad_norm(self._params(), self.clip_grad_norm, self.ctx)
-        guard = self.nonfinite
+        if guard.overflow.pop():  # the previous window overflowed (CUDA: read a step late)
+            self.global_step -= 1  # it was counted as taken
+            logger.info("fp16 gradients overflowed: step skipped on every rank")
         settled = guard.settle()  # the previous window's flag (CUDA: read a step late)
         if settled is not None:
             self.global_step -= settled  # it was counted as taken
@@ -280,6 +287,9 @@ class Engine:
                     nonfinite = skip = True
                 if outcome is not None:
                     guard.record(outcome, self.global_step, self.zero_grad_all)
+            if overflow_flag is not None and guard.overflow.push(overflow_flag):
+                self.global_step -= 1  # known at once (CPU): as if skipped before the step
+                overflow = skip = True
         if amp is not None:
             amp.update_scale(overflow)
         if overflow:
@@ -297,6 +307,16 @@ class Engine:
         if self.zero is not None and self.zero.stage == 3:
             return None
         return fused_skip_target(self.optimizer)
+
+    def _scaler_skips_on_device(self, amp) -> bool:
+        """torch's GradScaler over a fused optimizer: the overflow skip needs no host sync."""
+        from gridtrain.amp.torch_amp import TorchAmpOptimizer
+
+        if not isinstance(amp, TorchAmpOptimizer):
+            return False
+        if self.zero is not None and self.zero.stage == 3:
+            return False
+        return fused_skip_target(amp.optim) is not None
 
     @property
     def nonfinite_in_a_row(self) -> int:

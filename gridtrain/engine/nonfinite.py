@@ -37,10 +37,11 @@ class NonFiniteGuard:
         self.device = device
         self.group = group  # the GLOBAL group, None on one process
         self.limit = limit
-        self.defer = device.type == "cuda" if defer is None else defer
+        defer = device.type == "cuda" if defer is None else defer
+        self.late = LateFlag(defer)  # the non-finite flag of a device-skipped step
+        self.overflow = LateFlag(defer)  # fp16: the loss scaler's overflow flag, the same way
         self.in_a_row = 0
         self._flag: Tensor | None = None  # any non-finite loss in this window (on device)
-        self._pending: tuple[Tensor, object | None] | None = None  # host copy, its CUDA event
 
     def observe_loss(self, loss: Tensor) -> None:
         """Note one micro-step's loss (no sync)."""
@@ -86,21 +87,47 @@ class NonFiniteGuard:
     def defer_to(self, bad: Tensor) -> bool | None:
         """After a device-skipped step: this window's outcome now (CPU), or None on CUDA,
         where it is queued and the previous window's is returned by :meth:`settle`."""
-        if not self.defer:
-            return bool(bad.item())
-        event = None
-        if bad.is_cuda:  # a pinned copy the host can read without waiting for this step
-            host = torch.empty((), dtype=bad.dtype, pin_memory=True)
-            host.copy_(bad, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = bad.clone()
-        self._pending = (host, event)
-        return None
+        return self.late.push(bad)
 
     def settle(self) -> bool | None:
         """The queued window's outcome (waits for it; it is a step old), or None if none is queued."""
+        return self.late.pop()
+
+    @property
+    def defer(self) -> bool:
+        """Read device flags a step late (CUDA) instead of at once."""
+        return self.late.defer
+
+    @defer.setter
+    def defer(self, value: bool) -> None:
+        self.late.defer = self.overflow.defer = value
+
+
+class LateFlag:
+    """A device flag the host reads without stalling the device: at once where reading is
+    free (CPU, or ``defer`` off), else a step later from a pinned copy (CUDA)."""
+
+    def __init__(self, defer: bool):
+        self.defer = defer
+        self._pending: tuple[Tensor, object | None] | None = None  # host copy, its CUDA event
+
+    def push(self, flag: Tensor) -> bool | None:
+        """This flag's value now, or None when it is queued for :meth:`pop` (deferred)."""
+        if not self.defer:
+            return bool(flag.item())
+        event = None
+        if flag.is_cuda:  # a pinned copy the host can read without waiting for this step
+            host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            host.copy_(flag.reshape(()), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = flag.reshape(()).clone()
+        self._pending = (host, event)
+        return None
+
+    def pop(self) -> bool | None:
+        """The queued flag (waits for it; it is a step old), or None if none is queued."""
         if self._pending is None:
             return None
         host, event = self._pending

@@ -1,6 +1,6 @@
 """Two CUDA paths of the engine's step: ``fp8`` (torchao float8 GEMMs on Hopper) follows the
-bf16 loss curve, and a NaN loss is skipped on the device by the fused AdamW (no host sync
-before the step), its count settled one step later."""
+bf16 loss curve, and a NaN loss (bf16) or an fp16 overflow (GradScaler) is skipped on the
+device by the fused AdamW (no host sync before the step), its count settled a step later."""
 
 from __future__ import annotations
 
@@ -70,8 +70,11 @@ def test_fp8_follows_the_bf16_loss_curve(launch, device):
     assert max(gaps) < 0.1, gaps
 
 
-def test_nan_is_skipped_on_the_device_and_counted_a_step_later(launch, device):
-    launch(dict(fp16=dict(mode=AMP_TYPE.BF16), max_nonfinite_steps=3))
+@pytest.mark.parametrize("mode", [AMP_TYPE.BF16, AMP_TYPE.TORCH], ids=["bf16", "torch-fp16"])
+def test_nan_is_skipped_on_the_device_and_counted_a_step_later(mode, launch, device):
+    """bf16: the non-finite flag; torch fp16: GradScaler's overflow flag. Either reaches
+    the fused AdamW as found_inf, with no host sync in the step."""
+    launch(dict(fp16=dict(mode=mode), max_nonfinite_steps=3))
     engine = _engine(device)
     assert engine.nonfinite.defer == (device.type == "cuda")
     data = _batches(4, 8, device)
