@@ -119,3 +119,66 @@ def test_a_model_without_blocks_is_an_error_naming_the_key():
     assert run_distributed(_no_blocks, 1, config=AC) == [True]
     with pytest.raises(gt.ConfigError, match="every"):
         gt.Config.from_dict(dict(activation_checkpoint=dict(every=0)))
+
+
+class _DropBlock(torch.nn.Module):
+    """A block whose dropout draws from a per-data-rank stream (``ctx.fork_rng``), as
+    sharded tensor-parallel dropout, ring attention and the noisy MoE router do."""
+
+    def __init__(self, ctx):
+        from gridtrain.parallel.mode import ParallelMode
+        from gridtrain.parallel.tensor.dropout import ParallelDropout
+
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.drop = ParallelDropout(torch.nn.Dropout(0.5), ctx, ParallelMode.DATA)
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.drop(self.fc(x))).tanh()
+
+
+class _DropNet(torch.nn.Module):
+    def __init__(self, ctx):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_DropBlock(ctx) for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _replayed(ctx, recompute):
+    ctx.config = gt.Config.from_dict(AC if recompute else {})
+    torch.manual_seed(0)
+    model = _DropNet(ctx)
+    engine, *_ = gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):  # the second step draws from the streams where the first left them
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+        engine.zero_grad()
+        engine.backward(engine.criterion(engine(x), y))
+        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        engine.step()
+    bn = model.blocks[0].bn
+    return out, (int(bn.num_batches_tracked), bn.running_mean.clone())
+
+
+def _mse(out, y):
+    return F.mse_loss(out, y)
+
+
+def test_recompute_replays_rng_streams_and_leaves_batchnorm_statistics_alone():
+    """The recompute draws the forward's dropout masks from the context's named streams
+    (torch's checkpoint restores only the default generator) and does not update
+    BatchNorm's running statistics a second time."""
+    for plain, recomputed in zip(
+        run_distributed(_replayed, 2, False), run_distributed(_replayed, 2, True), strict=True
+    ):
+        (p_grads, (p_count, p_mean)), (r_grads, (r_count, r_mean)) = plain, recomputed
+        for step in range(2):  # the same ops on the same masks: equal to the last bit
+            for k, g in p_grads[step].items():
+                assert torch.equal(r_grads[step][k], g), (step, k)
+        assert r_count == p_count == 2 and torch.equal(r_mean, p_mean)

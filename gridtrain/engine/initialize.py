@@ -167,7 +167,7 @@ def initialize(
 
         convert_to_fp8(model, cfg.fp8)
     if recompute is not None:  # inside compile's graphs, outside hooks
-        apply_activation_checkpoint(model, cfg.activation_checkpoint, recompute)
+        apply_activation_checkpoint(model, cfg.activation_checkpoint, recompute, ctx.rng)
     if cfg.compile is not None:  # the blocks' forwards; hooks added later stay outside
         compile_model(model, cfg.compile, ctx)
         criterion = compile_criterion(criterion, cfg.compile, ctx)

@@ -7,16 +7,22 @@ the block inputs, for about a third more compute. The blocks are ``compile``'s b
 (the repeated entries of the model's ``ModuleList``/``Sequential``); the block's instance
 ``forward`` is wrapped, so hooks on the module (ZeRO 3's gathers, gradient sync) stay
 outside the recomputed region and tensor-parallel collectives inside it run again in the
-backward, as Megatron's do. torch's non-reentrant checkpoint restores the RNG state, so
-dropout draws the same masks the second time.
+backward, as Megatron's do. The recompute must replay the forward exactly and leave no
+trace: torch's checkpoint restores the default generator; here the context's named RNG
+streams (sharded dropout, ring attention, the noisy MoE router) are rewound to where the
+forward found them and put back afterwards (Megatron's RNG tracker does the same), and
+BatchNorm running statistics and MoE load records are not updated a second time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,10 +31,58 @@ from gridtrain.engine.compile import find_blocks
 logger = logging.getLogger("gridtrain")
 
 
-def _checkpointed(forward):
+_RECOMPUTING = [0]  # depth of recompute regions now running (a list: mutable module state)
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed block is replaying its forward for the backward (layers that
+    record statistics, such as MoE load, skip recording then)."""
+    return _RECOMPUTING[0] > 0
+
+
+@contextlib.contextmanager
+def _replay(rng, saved: dict | None, buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Around a recompute: the named RNG streams as the forward found them, the block's
+    BatchNorm statistics as they are now (restored after), the recompute flag raised."""
+    now = rng.state_dict() if rng is not None else None
+    if rng is not None:
+        rng.load_state_dict(saved)
+    kept = [b.clone() for b in buffers]
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
+        with torch.no_grad():
+            for b, k in zip(buffers, kept, strict=True):
+                b.copy_(k)
+        if rng is not None:
+            rng.load_state_dict(now)
+
+
+def _checkpointed(block: nn.Module, rng):
+    forward = block.forward
+    buffers = [
+        b
+        for m in block.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+        for b in m.buffers(recurse=False)
+        if b is not None
+    ]
+
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        saved = rng.state_dict() if rng is not None else None  # as the forward finds them
+        calls = [0]
+
+        def body(*a: Any, **k: Any) -> Any:  # checkpoint calls it for the forward, then
+            calls[0] += 1  # again for the backward's recompute
+            if calls[0] == 1:
+                return forward(*a, **k)
+            with _replay(rng, saved, buffers):
+                return forward(*a, **k)
+
+        return checkpoint(body, *args, use_reentrant=False, **kwargs)
 
     return run
 
@@ -46,9 +100,11 @@ def block_types(model: nn.Module) -> set[type]:
     return {type(m) for _, m in blocks}
 
 
-def apply_activation_checkpoint(model: nn.Module, options: Any, types: set[type]) -> list[str]:
+def apply_activation_checkpoint(
+    model: nn.Module, options: Any, types: set[type], rng=None
+) -> list[str]:
     """Wrap every ``options.every``-th module of a block class (outermost ones) in a
-    checkpoint; returns their names."""
+    checkpoint; returns their names. ``rng``: the context's named streams (``ctx.rng``)."""
     blocks: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{b}.") for b, _ in blocks)
@@ -56,7 +112,7 @@ def apply_activation_checkpoint(model: nn.Module, options: Any, types: set[type]
             blocks.append((name, module))
     chosen = blocks[:: options.every]
     for _, block in chosen:
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block, rng)
     names = [name for name, _ in chosen]
     logger.info(
         "activation checkpoint: %d of %d blocks, e.g. %s", len(names), len(blocks), names[:3]

@@ -155,6 +155,10 @@ class MoeLayer(nn.Module):
         return tokens.new_zeros(tokens.shape).index_add(0, token, gate * picked)
 
     def _record(self, aux_loss: Tensor, z_loss: Tensor, load: Tensor, dropped: int) -> None:
+        from gridtrain.engine.recompute import recomputing  # engine imports this module
+
+        if recomputing():  # activation checkpoint replaying the forward: recorded already
+            return
         loss = self.aux_loss_coef * aux_loss
         if self.router.use_z_loss:
             loss = loss + self.z_loss_coef * z_loss
