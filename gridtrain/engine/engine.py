@@ -306,7 +306,7 @@ class Engine:
             return None
         if self.zero is not None and self.zero.stage == 3:
             return None
-        return fused_skip_target(self.optimizer)
+        return fused_skip_target(self.optimizer, self.ctx.device)
 
     def _scaler_skips_on_device(self, amp) -> bool:
         """torch's GradScaler over a fused optimizer: the overflow skip needs no host sync."""
@@ -316,7 +316,7 @@ class Engine:
             return False
         if self.zero is not None and self.zero.stage == 3:
             return False
-        return fused_skip_target(amp.optim) is not None
+        return fused_skip_target(amp.optim, self.ctx.device) is not None
 
     @property
     def nonfinite_in_a_row(self) -> int:

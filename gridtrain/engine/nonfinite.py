@@ -137,14 +137,21 @@ class LateFlag:
         return bool(host.item())
 
 
-def fused_skip_target(optimizer) -> torch.optim.Optimizer | None:
-    """The torch optimizer under ``optimizer`` if it can skip a step on ``found_inf`` itself."""
+def fused_skip_target(optimizer, device: torch.device) -> torch.optim.Optimizer | None:
+    """The torch optimizer under ``optimizer`` if it can skip a step on ``found_inf`` itself:
+    a fused one whose parameters all live on ``device`` (an offloaded CPU optimizer would
+    read a device flag that is still in flight) and already have state (fused SGD creates
+    its momentum with ``empty_like`` on the first step even when it then skips)."""
     inner = getattr(optimizer, "optim", optimizer)
-    if isinstance(inner, torch.optim.Optimizer) and getattr(
+    if not isinstance(inner, torch.optim.Optimizer) or not getattr(
         inner, "_step_supports_amp_scaling", False
     ):
-        return inner
-    return None
+        return None
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p.device != device or not inner.state.get(p):
+                return None
+    return inner
 
 
 @contextlib.contextmanager
