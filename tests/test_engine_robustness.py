@@ -39,6 +39,7 @@ def _nan_run(ctx, bad_steps, fp16, fused=False, defer=False):
     except NonFiniteLossError as err:
         error = str(err)
     if fused is True:  # the optimizer's own step count skipped the bad steps too
+        engine.settle()  # the last window's flag, still pending when deferred
         counts = {int(s["step"]) for s in engine.optimizer.state.values()}
         stepped.append((engine.global_step, counts, engine.nonfinite_in_a_row))
     return stepped, weights, error
@@ -104,6 +105,14 @@ def test_a_bad_first_step_is_skipped_on_the_host_before_fused_sgd_has_momentum()
         ):
             assert error is None and stepped[0] is False, (defer, stepped)
             assert all(torch.isfinite(w).all() and w.abs().max() < 10 for w in weights), weights
+
+
+def test_settle_counts_a_bad_last_step():
+    """Deferred: the last window's flag is read by settle() (the Trainer calls it at each
+    epoch's end and before saving its counters), not left uncounted."""
+    config = dict(max_nonfinite_steps=3)
+    for stepped, _, error in run_distributed(_nan_run, 2, {4}, "fp32", True, True, config=config):
+        assert error is None and stepped == [True] * 5 + [(4, {4}, 1)], stepped
 
 
 def test_deferred_check_still_stops_training():

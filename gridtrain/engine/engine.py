@@ -256,13 +256,7 @@ class Engine:
             overflow = amp.unscale_and_check()
         if self.clip_grad_norm > 0 and not overflow:
             self.last_grad_norm = clip_grad_norm(self._params(), self.clip_grad_norm, self.ctx)
-        if guard.overflow.pop():  # the previous window overflowed (CUDA: read a step late)
-            self.global_step -= 1  # it was counted as taken
-            logger.info("fp16 gradients overflowed: step skipped on every rank")
-        settled = guard.settle()  # the previous window's flag (CUDA: read a step late)
-        if settled is not None:
-            self.global_step -= settled  # it was counted as taken
-            guard.record(settled, self.global_step, None)
+        self.settle()  # the previous window's device flags (CUDA: read a step late)
         nonfinite, flag = False, None
         device_skip = self._device_skip_target(amp)
         if getattr(amp, "scaler", None) is None:  # no loss scaler looks out for inf/NaN
@@ -298,6 +292,19 @@ class Engine:
             self.lr_scheduler.step()
         self.last_step_skipped = skip
         return not skip
+
+    def settle(self) -> None:
+        """Read the device-side skip flags still pending (on CUDA, the last step's) and
+        correct ``global_step`` and the non-finite count now. ``step()`` does it a step
+        late; the Trainer calls it at each epoch's end and before saving its counters."""
+        guard = self.nonfinite
+        if guard.overflow.pop():  # that window overflowed: it was counted as taken
+            self.global_step -= 1
+            logger.info("fp16 gradients overflowed: step skipped on every rank")
+        settled = guard.settle()
+        if settled is not None:
+            self.global_step -= settled  # it was counted as taken
+            guard.record(settled, self.global_step, None)
 
     def _device_skip_target(self, amp) -> torch.optim.Optimizer | None:
         """The fused torch optimizer that skips on a device flag, where one may (not under

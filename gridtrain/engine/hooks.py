@@ -199,6 +199,9 @@ def latest_checkpoint_epoch(checkpoint_dir: str | Path, suffix: str = "") -> int
 
 def _counters(trainer: Trainer) -> dict[str, Any]:
     """What a resume needs besides model and optimizer (saved as the checkpoint's ``extra``)."""
+    settle = getattr(trainer.engine, "settle", None)  # a step counted but not yet confirmed
+    if settle is not None:
+        settle()
     return {
         "trainer": {"cur_epoch": trainer.cur_epoch, "cur_step": trainer.cur_step},
         "engine": {"global_step": getattr(trainer.engine, "global_step", 0)},

@@ -221,6 +221,9 @@ class Trainer:
                 bar.update()
                 if self._reached(max_steps):
                     break
+        settle = getattr(engine, "settle", None)  # pending device-side skip flags
+        if settle is not None:
+            settle()
         self.cur_epoch += 1
         self._call("after_train_epoch")
 
