@@ -174,9 +174,10 @@ class Fp8Config(_Section):
         "(fastest), per row, or per row with the weight gradient in high precision",
     )
     skip: list[str] = Field(
-        default_factory=lambda: ["*lm_head", "*output", "*head"],
+        default_factory=lambda: ["*lm_head", "*output", "*head", "*gate", "*router"],
         description="fnmatch patterns of Linear names kept in high precision (the LM head's "
-        "logits are the most precision-sensitive)",
+        "logits and an MoE router's scores are the most precision-sensitive; a head tied to "
+        "an embedding is always kept)",
     )
     min_features: PositiveInt = Field(
         256, description="Linear layers with fewer input or output features stay high precision"

@@ -100,3 +100,13 @@ def test_bad_fp8_configs_name_the_key_and_the_allowed_values():
         gt.Config.from_dict(dict(fp8=True, fp16=dict(mode="naive")))
     with pytest.raises(gt.ConfigError, match="parallel.tensor.mode"):
         gt.Config.from_dict(dict(fp8=True, parallel=dict(tensor=dict(size=2, mode="1d"))))
+
+
+def test_a_head_tied_to_the_embedding_stays_high_precision_whatever_its_name():
+    from gridtrain.amp.fp8 import convert_to_fp8
+
+    options = gt.Config.from_dict(dict(fp8=dict(min_features=64, skip=[]))).fp8
+    model = TinyTransformer(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, tie=True)
+    chosen = convert_to_fp8(model, options)
+    assert "head" not in chosen and type(model.head) is torch.nn.Linear, chosen
+    assert "blocks.0.fc" in chosen and model.head.weight is model.embed.tok.weight

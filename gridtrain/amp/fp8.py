@@ -18,9 +18,9 @@ from torch import nn
 logger = logging.getLogger("gridtrain")
 
 
-def _eligible(module: nn.Module, name: str, options) -> bool:
-    if not isinstance(module, nn.Linear):
-        return False
+def _eligible(module: nn.Module, name: str, options, tied: set[int]) -> bool:
+    if not isinstance(module, nn.Linear) or id(module.weight) in tied:
+        return False  # a weight shared with an embedding is an LM head, whatever its name
     if any(fnmatch.fnmatch(name, pattern) for pattern in options.skip):
         return False
     dims = (module.in_features, module.out_features)
@@ -34,7 +34,8 @@ def convert_to_fp8(model: nn.Module, options) -> list[str]:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:  # pragma: no cover - torchao is in requirements.txt
         raise ImportError("fp8 needs torchao: pip install torchao") from err
-    chosen = [name for name, m in model.named_modules() if _eligible(m, name, options)]
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    chosen = [name for name, m in model.named_modules() if _eligible(m, name, options, tied)]
     if not chosen:
         logger.warning(
             "fp8: no nn.Linear layer has both dimensions >= fp8.min_features (%d) and "

@@ -90,9 +90,12 @@ def compile_criterion(criterion: Any, options: Any, ctx) -> Any:
         on = ctx.tensor_mode is None and getattr(ctx.config, "chunked_loss", None) is None
     if not on or criterion is None:
         return criterion
+    # the model's backend and shape policy; not its mode (CUDA graphs would hand back a
+    # loss the next micro-batch overwrites) nor fullgraph (a user's loss may break a graph)
+    kwargs = dict(backend=options.backend, dynamic=options.dynamic)
     if isinstance(criterion, nn.Module):
-        criterion.forward = torch.compile(criterion.forward, **_kwargs(options))
+        criterion.forward = torch.compile(criterion.forward, **kwargs)
     else:
-        criterion = torch.compile(criterion, **_kwargs(options))
+        criterion = torch.compile(criterion, **kwargs)
     logger.info("compiled the criterion with %s", options.backend)
     return criterion
