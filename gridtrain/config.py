@@ -85,13 +85,8 @@ class ZeroConfig(_Section):
         return {"stage": data} if isinstance(data, int) and not isinstance(data, bool) else data
 
 
-class ChunkedLossConfig(_Section):
-    """``chunked_loss``: the LM head and its cross entropy in token chunks
-    (``gridtrain.parallel.tensor.chunked_loss``); ``True`` takes the defaults."""
-
-    chunk_tokens: PositiveInt = Field(
-        8192, description="tokens per chunk: one chunk's logits exist at a time"
-    )
+class _SwitchSection(_Section):
+    """A section that can also be switched on with ``True`` (which takes its defaults)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -99,7 +94,16 @@ class ChunkedLossConfig(_Section):
         return {} if data is True else data
 
 
-class CompileConfig(_Section):
+class ChunkedLossConfig(_SwitchSection):
+    """``chunked_loss``: the LM head and its cross entropy in token chunks
+    (``gridtrain.parallel.tensor.chunked_loss``); ``True`` takes the defaults."""
+
+    chunk_tokens: PositiveInt = Field(
+        8192, description="tokens per chunk: one chunk's logits exist at a time"
+    )
+
+
+class CompileConfig(_SwitchSection):
     """``compile``: torch.compile per repeated block (``gridtrain.engine.compile``);
     ``True`` takes the defaults."""
 
@@ -126,11 +130,6 @@ class CompileConfig(_Section):
         "puts collectives or deferred logits in it",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _true_is_default(cls, data: Any) -> Any:
-        return {} if data is True else data
-
 
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 
@@ -146,7 +145,7 @@ class AttentionConfig(_Section):
     )
 
 
-class ActivationCheckpointConfig(_Section):
+class ActivationCheckpointConfig(_SwitchSection):
     """``activation_checkpoint``: recompute blocks' activations in the backward
     (``gridtrain.engine.recompute``); ``True`` takes the defaults."""
 
@@ -155,16 +154,11 @@ class ActivationCheckpointConfig(_Section):
         description="checkpoint every n-th block of the model's block list (1: all, full recompute)",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _true_is_default(cls, data: Any) -> Any:
-        return {} if data is True else data
-
 
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
-class Fp8Config(_Section):
+class Fp8Config(_SwitchSection):
     """``fp8``: float8 matmuls in the model's ``nn.Linear`` layers through torchao's float8
     training (``gridtrain.amp.fp8``); ``True`` takes the defaults. Off when absent."""
 
@@ -182,11 +176,6 @@ class Fp8Config(_Section):
     min_features: PositiveInt = Field(
         256, description="Linear layers with fewer input or output features stay high precision"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _true_is_default(cls, data: Any) -> Any:
-        return {} if data is True else data
 
 
 class ConfigError(ValueError):

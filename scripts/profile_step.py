@@ -38,10 +38,6 @@ def busy_us(events) -> float:
     return total
 
 
-def profile_loop(name: str, loop, batches, steps: int) -> None:
-    report(name, loop.step, batches, steps)
-
-
 def report(name: str, step, batches, steps: int) -> None:
     """Profile ``steps`` calls of ``step(batch)`` after 5 untimed ones; print the summary."""
     for i in range(5):
@@ -88,11 +84,11 @@ def main() -> None:
     gb.gt.launch(gb.config_for(args), 0, 1, "127.0.0.1", gb.free_port())
     cfg = gpt_model.preset(a.preset, block_size=1024)
     batches = gb.make_batches(cfg, args, "cuda")
-    profile_loop("plain compiled", gb.PlainLoop(cfg, args, "cuda"), batches, a.steps)
+    report("plain compiled", gb.PlainLoop(cfg, args, "cuda").step, batches, a.steps)
     extra: dict = {}
     for part in a.extra.split("+"):
         extra.update(gb.EXTRAS[part])
-    profile_loop(f"engine {a.extra}", gb.EngineLoop(cfg, args, "cuda", extra), batches, a.steps)
+    report(f"engine {a.extra}", gb.EngineLoop(cfg, args, "cuda", extra).step, batches, a.steps)
     gb.gt.destroy()
 
 

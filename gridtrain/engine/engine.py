@@ -187,7 +187,8 @@ class Engine:
 
     def _scaled_backward(self, loss: Tensor) -> None:
         """Back-propagate ``loss`` divided by the accumulation size, times the fp16 scale."""
-        self.nonfinite.observe_loss(loss)
+        if getattr(self.optimizer, "scaler", None) is None:  # a loss scaler checks for itself
+            self.nonfinite.observe_loss(loss)
         loss = self.accumulation.scale(loss)
         if isinstance(self.optimizer, AmpOptimizer):
             self.optimizer.backward(loss)  # multiplies by the loss scale
@@ -265,8 +266,6 @@ class Engine:
             if device_skip is None:
                 nonfinite = bool(flag.item())
                 guard.record(nonfinite, self.global_step, self.zero_grad_all)
-        else:
-            guard.reset()
         skip = overflow or nonfinite
         if not skip:
             with found_inf(device_skip, flag) if device_skip else contextlib.nullcontext():
@@ -275,7 +274,7 @@ class Engine:
                 self.zero.after_step()  # stages 1-2: all-gather the updated rows
             self.global_step += 1
             if device_skip is not None:
-                outcome = guard.defer_to(flag)  # None: known at the next step (CUDA)
+                outcome = guard.late.push(flag)  # None: known at the next step (CUDA)
                 if outcome:
                     self.global_step -= 1
                     nonfinite = skip = True
@@ -301,7 +300,7 @@ class Engine:
         if guard.overflow.pop():  # that window overflowed: it was counted as taken
             self.global_step -= 1
             logger.info("fp16 gradients overflowed: step skipped on every rank")
-        settled = guard.settle()
+        settled = guard.late.pop()
         if settled is not None:
             self.global_step -= settled  # it was counted as taken
             guard.record(settled, self.global_step, None)

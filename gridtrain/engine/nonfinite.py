@@ -48,10 +48,6 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(loss.detach()).all()
         self._flag = bad if self._flag is None else self._flag | bad
 
-    def reset(self) -> None:
-        """Forget this window's losses (a loss scaler checks them instead)."""
-        self._flag = None
-
     def window_flag(self, grad_norm: Tensor | None) -> Tensor:
         """This window's flag as a float device scalar, maxed over every rank; resets the window."""
         bad = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -83,15 +79,6 @@ class NonFiniteGuard:
                 f"in a row (max_nonfinite_steps = {self.limit}); lower the learning rate, clip "
                 "gradients or check the data"
             )
-
-    def defer_to(self, bad: Tensor) -> bool | None:
-        """After a device-skipped step: this window's outcome now (CPU), or None on CUDA,
-        where it is queued and the previous window's is returned by :meth:`settle`."""
-        return self.late.push(bad)
-
-    def settle(self) -> bool | None:
-        """The queued window's outcome (waits for it; it is a step old), or None if none is queued."""
-        return self.late.pop()
 
     @property
     def defer(self) -> bool:
