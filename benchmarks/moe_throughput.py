@@ -4,6 +4,7 @@ dense MLP of the same *active* width (top_k x ffn), so both do about the same FL
     python benchmarks/moe_throughput.py                 # CPU always, plus CUDA when present
     python benchmarks/moe_throughput.py --device cpu --steps 3 --hidden 64 --depth 2
     python benchmarks/moe_throughput.py --device cuda --matmul grouped_mm bmm
+    python benchmarks/moe_throughput.py --device cuda --compile
 
 One process, all experts local (expert parallelism 1): what it measures is the
 cost of routing, dispatch/combine and the expert matmuls, for each MoE dispatch:
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="grouped dispatch's expert matmul (auto: grouped_mm on Hopper bf16, else bmm)",
     )
     parser.add_argument("--no-drop", action="store_true", help="drop_tks=False")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile every model (MoE and dense alike)"
+    )
     return parser.parse_args(argv)
 
 
@@ -123,6 +127,8 @@ def bench(device: str, args) -> list[tuple]:
             model.moe.dispatch = dispatch
             model.moe.experts.matmul = matmul or "auto"
         crit = MoeCriterion(model) if dispatch else torch.nn.CrossEntropyLoss()
+        if args.compile:  # the module compiled in place: the criterion still reads its layers
+            model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         _round(model, crit, opt, x, y, 1, device)  # warm-up
         runs[name] = (model, crit, opt, [])

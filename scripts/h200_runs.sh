@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
-# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e OUTDIR`. GPU work is pinned to cores 0-3; CPU
+# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e|f|g OUTDIR`. GPU work is pinned to cores 0-3; CPU
 # tables (gloo processes) run meanwhile on the other cores.
 set -uo pipefail
 PART=$1
@@ -27,6 +27,18 @@ elif [ "$PART" = e ]; then  # GPU only, nothing else on the host: batch, ZeRO, R
   $GPU timeout 100 $PY benchmarks/zero_memory.py throughput >"$OUT/zero.log" 2>&1
   $GPU timeout 80 $PY benchmarks/resnet_throughput.py --steps 20 --repeats 3 >"$OUT/resnet.log" 2>&1
   $GPU timeout 90 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
+elif [ "$PART" = f ]; then  # GPU only: MoE eager and compiled, its profile, ZeRO 1/2 speed, ResNet
+  $GPU timeout 60 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe.py >"$OUT/test_moe.log" 2>&1
+  {
+    $GPU timeout 80 $PY benchmarks/moe_throughput.py --device cuda --rounds 3
+    $GPU timeout 150 $PY benchmarks/moe_throughput.py --device cuda --rounds 3 --compile --dispatch grouped
+  } >"$OUT/moe.log" 2>&1
+  $GPU timeout 60 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
+  $GPU timeout 110 $PY benchmarks/zero_memory.py throughput >"$OUT/zero.log" 2>&1
+  $GPU timeout 110 $PY benchmarks/resnet_throughput.py >"$OUT/resnet.log" 2>&1
+elif [ "$PART" = g ]; then  # the largest GPT at 8 x 1024: plain PyTorch, then ZeRO 3 + offload
+  $GPU timeout 250 $PY benchmarks/zero_memory.py largest --mode plain --sizes 2.7B,4B,6.7B,8B --probe-timeout 120 >"$OUT/largest_plain.log" 2>&1
+  $GPU timeout 330 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 6.7B,8B,13B --probe-timeout 200 >"$OUT/largest_gemini.log" 2>&1
 elif [ "$PART" = d ]; then  # ResNet ZeRO rows on the host CPU; MoE at size, fp8 parity, ZeRO profile
   mkdir -p /tmp/bin && ln -sf "$(command -v $PY)" /tmp/bin/python
   printf '#!/bin/sh\nexec %s -m gridtrain.cli "$@"\n' "$PY" >/tmp/bin/gridtrain && chmod +x /tmp/bin/gridtrain

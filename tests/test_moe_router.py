@@ -103,8 +103,8 @@ def test_aux_loss_hand_computed_top2():
 
 def test_load_balancing_loss_is_one_when_uniform():
     probs = torch.full((8, 4), 0.25)
-    mask = torch.eye(4).repeat(2, 1)
-    assert load_balancing_loss(probs, mask, 1).item() == pytest.approx(1.0)
+    load = torch.eye(4).repeat(2, 1).sum(0)  # each of the 4 experts chosen by 2 of 8 tokens
+    assert load_balancing_loss(probs, load, 8, 1).item() == pytest.approx(1.0)
 
 
 def test_z_loss():

@@ -100,3 +100,26 @@ def test_grouped_dispatch_equals_capacity_in_bf16(router_cls, drop, factor, laun
     for name, g_ref in ref[2].items():
         err = rel_err(got[2][name], g_ref)
         assert err < 2e-2, (what, name, err)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_grouped_dispatch_never_waits_for_the_device(drop, launch, device):
+    """All experts local with grouped_mm: forward and backward of a step launch without one
+    host sync (torch's sync debug mode turns any into an error), dropping or not."""
+    if not (ON_CUDA and is_hopper()):
+        pytest.skip("the sync-free path is the grouped_mm one (Hopper, bf16)")
+    ctx = launch({})
+    layer = _layer(ctx, moe.Top2Router, drop, 0.5, "grouped")
+    x = torch.randn(4, 64, HIDDEN, device=device, requires_grad=True)
+    _run(layer, x, device)  # warm-up: the grouped_mm probe and allocator growth may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = layer(x)
+            aux = torch.stack(layer.take_losses()).sum()
+        (out.float().square().sum() + aux).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    if drop:
+        assert int(layer.last_dropped) > 0, "the case must drop tokens"

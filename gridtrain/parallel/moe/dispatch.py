@@ -102,8 +102,10 @@ def run_experts(
 
 def grouped_dispatch(
     tokens: Tensor, a: Assignment, experts: Experts, group, ep: int
-) -> tuple[Tensor, int]:
+) -> tuple[Tensor, Tensor | int]:
     """The MoE output for ``tokens`` [T, d] routed as ``a``; also the dropped choices' count."""
+    if ep == 1 and experts.uses_grouped_mm(tokens):
+        return _dispatch_without_sync(tokens, a, experts)
     kept = a.kept_counts()  # [E] on the device
     counts = kept.tolist()  # the one host sync: shapes of the gather and the all-to-all
     total = sum(counts)
@@ -115,3 +117,25 @@ def grouped_dispatch(
     gate = a.gate.index_select(0, order).to(tokens.dtype).unsqueeze(1)
     out = tokens.new_zeros(tokens.shape).index_add(0, token, (gate * y).to(tokens.dtype))
     return out, a.token.numel() - total
+
+
+def _dispatch_without_sync(tokens: Tensor, a: Assignment, experts: Experts) -> tuple[Tensor, Tensor]:
+    """All experts local and ``torch._grouped_mm``: every choice, dropped ones included, runs
+    through its expert and a dropped one's gate is zeroed, so every shape follows from the
+    token count and the host never waits for the router (each wait stalls the launch queue;
+    8 per WideNet step cost more than its matmuls). Rows past capacity are computed and
+    discarded: at most the ``drop_tks=False`` cost. The result equals the kept-rows path's:
+    a zero gate gives a dropped row zero output and zero gradient."""
+    n = a.token.numel()
+    start = torch.cumsum(a.load, 0) - a.load
+    row = start[a.expert] + a.slot  # a permutation of the n choices, by expert then slot
+    order = torch.empty_like(row).scatter_(0, row, torch.arange(n, device=row.device))
+    token = a.token.index_select(0, order)
+    y = experts.forward_grouped(tokens.index_select(0, token), a.load, None)
+    gate, dropped = a.gate, tokens.new_zeros((), dtype=torch.long)
+    if a.capacity is not None:
+        kept = a.slot < a.capacity
+        gate, dropped = gate * kept, n - kept.sum()
+    gate = gate.index_select(0, order).to(tokens.dtype).unsqueeze(1)
+    out = tokens.new_zeros(tokens.shape).index_add(0, token, (gate * y).to(tokens.dtype))
+    return out, dropped

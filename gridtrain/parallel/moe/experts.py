@@ -165,19 +165,24 @@ class Experts(nn.Module):
         h = self.activation(torch.baddbmm(b1.unsqueeze(1), x, w1))
         return torch.baddbmm(b2.unsqueeze(1), h, w2)
 
-    def forward_grouped(self, x: Tensor, counts: Tensor, max_count: int) -> Tensor:
+    def uses_grouped_mm(self, x: Tensor) -> bool:
+        """Whether ``forward_grouped`` on rows like ``x`` runs ``torch._grouped_mm`` (which
+        needs no host-side row counts) rather than the padded batched matmul."""
+        return self.matmul == "grouped_mm" or (
+            self.matmul == "auto" and grouped_mm_supported(x.device, compute_dtype(x))
+        )
+
+    def forward_grouped(self, x: Tensor, counts: Tensor, max_count: int | None) -> Tensor:
         """Rows ``x`` [rows, hidden] sorted by local expert, ``counts[e]`` rows for expert e
-        (a tensor on x's device; ``max_count`` = its largest entry) -> [rows, hidden]."""
+        (a tensor on x's device; ``max_count`` = its largest entry, needed only when
+        ``uses_grouped_mm(x)`` is False) -> [rows, hidden]."""
         s = 1.0 / self.ep
         w1, b1, w2, b2 = (scale_grad(p, s) for p in (self.w1, self.b1, self.w2, self.b2))
         rows = x.shape[0]
         local = torch.arange(self.num_local_experts, device=x.device)
         expert = torch.repeat_interleave(local, counts, output_size=rows)  # each row's expert
         dtype = compute_dtype(x)
-        use_gmm = self.matmul == "grouped_mm" or (
-            self.matmul == "auto" and grouped_mm_supported(x.device, dtype)
-        )
-        if use_gmm:
+        if self.uses_grouped_mm(x):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)  # end row of each expert
             # _grouped_mm is on no autocast list: cast as autocast would for a matmul
             with torch.autocast(x.device.type, enabled=False):

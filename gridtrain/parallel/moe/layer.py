@@ -84,7 +84,7 @@ class MoeLayer(nn.Module):
         self._ctx = [ctx]  # a list keeps the context out of the module tree (and state dicts)
         self._losses: list[Tensor] = []
         self.last_load: Tensor | None = None  # [E] tokens per expert, summed over recent forwards
-        self.last_dropped = 0
+        self.last_dropped: Tensor | int = 0  # a device tensor when counting it would sync
 
     @property
     def ctx(self) -> ParallelContext | None:
@@ -154,7 +154,9 @@ class MoeLayer(nn.Module):
         picked = expert_out.index_select(0, flat)
         return tokens.new_zeros(tokens.shape).index_add(0, token, gate * picked)
 
-    def _record(self, aux_loss: Tensor, z_loss: Tensor, load: Tensor, dropped: int) -> None:
+    def _record(
+        self, aux_loss: Tensor, z_loss: Tensor, load: Tensor, dropped: Tensor | int
+    ) -> None:
         from gridtrain.engine.recompute import recomputing  # engine imports this module
 
         if recomputing():  # activation checkpoint replaying the forward: recorded already
@@ -218,4 +220,4 @@ def expert_load(model: nn.Module) -> tuple[Tensor | None, int]:
     if not layers:
         return None, 0
     load = torch.stack([m.last_load.float() for m in layers]).sum(0)
-    return load, sum(m.last_dropped for m in layers)
+    return load, int(sum(m.last_dropped for m in layers))
