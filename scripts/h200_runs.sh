@@ -37,8 +37,18 @@ elif [ "$PART" = f ]; then  # GPU only: MoE eager and compiled, its profile, ZeR
   $GPU timeout 110 $PY benchmarks/zero_memory.py throughput >"$OUT/zero.log" 2>&1
   $GPU timeout 110 $PY benchmarks/resnet_throughput.py >"$OUT/resnet.log" 2>&1
 elif [ "$PART" = g ]; then  # the largest GPT at 8 x 1024: plain PyTorch, then ZeRO 3 + offload
-  $GPU timeout 250 $PY benchmarks/zero_memory.py largest --mode plain --sizes 2.7B,4B,6.7B,8B --probe-timeout 120 >"$OUT/largest_plain.log" 2>&1
-  $GPU timeout 330 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 6.7B,8B,13B --probe-timeout 200 >"$OUT/largest_gemini.log" 2>&1
+  $GPU timeout 200 $PY benchmarks/zero_memory.py largest --mode plain --sizes 4B,6.7B --probe-timeout 100 >"$OUT/largest_plain.log" 2>&1
+  $GPU timeout 380 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 4B,6.7B --probe-timeout 190 >"$OUT/largest_gemini.log" 2>&1
+elif [ "$PART" = h ]; then  # GPU only: MoE at two batches, eager and compiled, profiles; ResNet at 512
+  $GPU timeout 60 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe.py >"$OUT/test_moe.log" 2>&1
+  {
+    $GPU timeout 70 $PY benchmarks/moe_throughput.py --device cuda --rounds 3
+    $GPU timeout 70 $PY benchmarks/moe_throughput.py --device cuda --rounds 3 --batch 512 --dispatch grouped
+    $GPU timeout 130 $PY benchmarks/moe_throughput.py --device cuda --rounds 3 --compile --dispatch grouped
+  } >"$OUT/moe.log" 2>&1
+  $GPU timeout 50 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
+  $GPU timeout 100 $PY scripts/profile_moe.py --compile >"$OUT/moe_profile_compiled.log" 2>&1
+  $GPU timeout 100 $PY benchmarks/resnet_throughput.py --batch 512 --steps 30 --repeats 5 >"$OUT/resnet.log" 2>&1
 elif [ "$PART" = d ]; then  # ResNet ZeRO rows on the host CPU; MoE at size, fp8 parity, ZeRO profile
   mkdir -p /tmp/bin && ln -sf "$(command -v $PY)" /tmp/bin/python
   printf '#!/bin/sh\nexec %s -m gridtrain.cli "$@"\n' "$PY" >/tmp/bin/gridtrain && chmod +x /tmp/bin/gridtrain

@@ -1,6 +1,6 @@
 """Where a WideNet MoE training step's time goes on the GPU, against the dense model.
 
-    python scripts/profile_moe.py [--hidden 512] [--batch 256] [--depth 8]
+    python scripts/profile_moe.py [--hidden 512] [--batch 256] [--depth 8] [--compile]
 
 Uses ``benchmarks/moe_throughput.py``'s models and sizes; prints, per model, the wall and
 GPU-busy time per step, host syncs, and the kernels that take the most time.
@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile both models")
     a = p.parse_args()
     cfg = WideNetConfig(depth=a.depth, hidden=a.hidden, heads=a.hidden // 64, ffn=2 * a.hidden,
                         num_experts=8, top_k=2, drop_tks=True)  # fmt: skip
@@ -35,6 +36,8 @@ def main() -> None:
         torch.manual_seed(0)
         model = cls(cfg).cuda()
         crit = MoeCriterion(model) if cls is WideNet else torch.nn.CrossEntropyLoss()
+        if a.compile:
+            model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(_batch, model=model, crit=crit, opt=opt):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.moe.experts import Experts
+from gridtrain.parallel.moe.experts import Experts, compute_dtype
 from gridtrain.parallel.moe.router import Assignment
 
 
@@ -119,23 +119,62 @@ def grouped_dispatch(
     return out, a.token.numel() - total
 
 
-def _dispatch_without_sync(tokens: Tensor, a: Assignment, experts: Experts) -> tuple[Tensor, Tensor]:
+def _dispatch_without_sync(
+    tokens: Tensor, a: Assignment, experts: Experts
+) -> tuple[Tensor, Tensor]:
     """All experts local and ``torch._grouped_mm``: every choice, dropped ones included, runs
     through its expert and a dropped one's gate is zeroed, so every shape follows from the
     token count and the host never waits for the router (each wait stalls the launch queue;
     8 per WideNet step cost more than its matmuls). Rows past capacity are computed and
     discarded: at most the ``drop_tks=False`` cost. The result equals the kept-rows path's:
-    a zero gate gives a dropped row zero output and zero gradient."""
-    n = a.token.numel()
+    a zero gate gives a dropped row zero output and zero gradient.
+
+    Every token has exactly k rows, so rows move by gathers both ways (no atomic
+    ``index_add``) and the combine is a weighted sum over the k choices."""
+    n, num_tokens = a.token.numel(), tokens.shape[0]
     start = torch.cumsum(a.load, 0) - a.load
-    row = start[a.expert] + a.slot  # a permutation of the n choices, by expert then slot
+    row = start[a.expert] + a.slot  # where each choice goes: by expert, then slot
     order = torch.empty_like(row).scatter_(0, row, torch.arange(n, device=row.device))
-    token = a.token.index_select(0, order)
-    y = experts.forward_grouped(tokens.index_select(0, token), a.load, None)
+    k = n // num_tokens
+    rows = _GatherChoices.apply(tokens, order, row, k, compute_dtype(tokens))
+    y = experts.forward_grouped(rows, a.load, None)
+    y = _Permute.apply(y, row, order)  # back to choice order: [k, tokens] flattened
     gate, dropped = a.gate, tokens.new_zeros((), dtype=torch.long)
     if a.capacity is not None:
         kept = a.slot < a.capacity
         gate, dropped = gate * kept, n - kept.sum()
-    gate = gate.index_select(0, order).to(tokens.dtype).unsqueeze(1)
-    out = tokens.new_zeros(tokens.shape).index_add(0, token, (gate * y).to(tokens.dtype))
-    return out, dropped
+    out = (gate.view(k, num_tokens, 1) * y.view(k, num_tokens, -1)).sum(0)
+    return out.to(tokens.dtype), dropped
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` whose inverse is ``inverse``: a gather both ways
+    (advanced indexing's backward would be an atomic scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _GatherChoices(torch.autograd.Function):
+    """Token rows [T, d] -> one row per choice in ``order`` (choice c is token ``c % T``), cast
+    to ``dtype`` before the gather (half the bytes moved under bf16 autocast); backward
+    gathers the rows back to choice order and sums each token's k of them in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, k: int, dtype) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.dtype = k, x.dtype
+        return x.to(dtype).index_select(0, order % x.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        by_choice = grad.index_select(0, inverse).view(ctx.k, -1, grad.shape[-1])
+        return by_choice.sum(0, dtype=ctx.dtype), None, None, None, None
