@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
-# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e|f|g OUTDIR`. GPU work is pinned to cores 0-3; CPU
+# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e|f|g|h|i OUTDIR`. GPU work is pinned to cores 0-3; CPU
 # tables (gloo processes) run meanwhile on the other cores.
 set -uo pipefail
 PART=$1
@@ -36,9 +36,16 @@ elif [ "$PART" = f ]; then  # GPU only: MoE eager and compiled, its profile, ZeR
   $GPU timeout 60 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
   $GPU timeout 110 $PY benchmarks/zero_memory.py throughput >"$OUT/zero.log" 2>&1
   $GPU timeout 110 $PY benchmarks/resnet_throughput.py >"$OUT/resnet.log" 2>&1
-elif [ "$PART" = g ]; then  # the largest GPT at 8 x 1024: plain PyTorch, then ZeRO 3 + offload
+elif [ "$PART" = g ]; then  # the largest GPT at 8 x 1024 with ZeRO 3 + offload (Gemini)
+  $GPU timeout 500 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 4B,6.7B --probe-timeout 240 >"$OUT/largest_gemini.log" 2>&1
+elif [ "$PART" = i ]; then  # GPU only: MoE eager at two batches and its profile; plain's largest GPT
+  $GPU timeout 60 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe.py >"$OUT/test_moe.log" 2>&1
+  {
+    $GPU timeout 70 $PY benchmarks/moe_throughput.py --device cuda --rounds 3
+    $GPU timeout 70 $PY benchmarks/moe_throughput.py --device cuda --rounds 3 --batch 512 --dispatch grouped
+  } >"$OUT/moe.log" 2>&1
+  $GPU timeout 50 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
   $GPU timeout 200 $PY benchmarks/zero_memory.py largest --mode plain --sizes 4B,6.7B --probe-timeout 100 >"$OUT/largest_plain.log" 2>&1
-  $GPU timeout 380 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 4B,6.7B --probe-timeout 190 >"$OUT/largest_gemini.log" 2>&1
 elif [ "$PART" = h ]; then  # GPU only: MoE at two batches, eager and compiled, profiles; ResNet at 512
   $GPU timeout 60 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe.py >"$OUT/test_moe.log" 2>&1
   {

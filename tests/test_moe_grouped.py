@@ -158,19 +158,26 @@ def test_throughput_benchmark_cpu_tiny(capsys):
         assert f"cpu    {name}" in out, out
 
 
-def test_row_bias_gradient_is_each_experts_row_sum():
-    """The grouped_mm path's bias: forward bias[expert], backward a segment sum per expert
-    (an expert with no rows gets zero), equal to advanced indexing's in float64."""
-    from gridtrain.parallel.moe.experts import _RowBias
-
+def test_grouped_mm_experts_equal_the_padded_batched_matmul():
+    """``forward_grouped`` through grouped_mm (bias rows added as one_hot @ bias) against the
+    padded bmm, float32, uneven counts with one idle expert: outputs and every gradient; the
+    idle expert's bias gradient is exactly zero."""
     counts = torch.tensor([3, 0, 5, 1])
-    expert = torch.repeat_interleave(torch.arange(4), counts)
-    bias = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
-    grad = torch.randn(int(counts.sum()), 6, dtype=torch.float64)
-    out = _RowBias.apply(bias, expert, counts)
-    (got,) = torch.autograd.grad(out, bias, grad)
-    ref = bias[expert]
-    (want,) = torch.autograd.grad(ref, bias, grad)
-    assert torch.equal(out, ref)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # sums of the same terms
-    assert torch.equal(got[1], torch.zeros(6, dtype=torch.float64))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(int(counts.sum()), HIDDEN, generator=g)
+    w = torch.randn(int(counts.sum()), HIDDEN, generator=g)
+    results = []
+    for matmul in ("grouped_mm", "bmm"):
+        torch.manual_seed(6)
+        experts = moe.Experts(4, HIDDEN, FFN, matmul=matmul)
+        xi = x.clone().requires_grad_()
+        y = experts.forward_grouped(xi, counts, int(counts.max()))
+        (y * w).sum().backward()
+        results.append((y.detach(), xi.grad, {n: p.grad for n, p in experts.named_parameters()}))
+    (y, gx, grads), (ry, rx, ref) = results
+    # float32, the same products; only the matmuls' blocking differs
+    torch.testing.assert_close(y, ry, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gx, rx, rtol=0, atol=1e-5)
+    for name in ref:
+        torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=1e-5, msg=name)
+    assert torch.equal(grads["b1"][1], torch.zeros(FFN))
