@@ -36,8 +36,9 @@ elif [ "$PART" = f ]; then  # GPU only: MoE eager and compiled, its profile, ZeR
   $GPU timeout 60 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
   $GPU timeout 110 $PY benchmarks/zero_memory.py throughput >"$OUT/zero.log" 2>&1
   $GPU timeout 110 $PY benchmarks/resnet_throughput.py >"$OUT/resnet.log" 2>&1
-elif [ "$PART" = g ]; then  # the largest GPT at 8 x 1024 with ZeRO 3 + offload (Gemini)
-  $GPU timeout 500 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 4B,6.7B --probe-timeout 240 >"$OUT/largest_gemini.log" 2>&1
+elif [ "$PART" = g ]; then  # make test-gpu; the largest GPT at 8 x 1024 with ZeRO 3 + offload (Gemini)
+  $GPU timeout 120 $PY -m pytest -q -p no:cacheprovider tests/gpu >"$OUT/test_gpu.log" 2>&1
+  $GPU timeout 420 $PY benchmarks/zero_memory.py largest --mode gemini --sizes 6.7B,8B --probe-timeout 200 >"$OUT/largest_gemini.log" 2>&1
 elif [ "$PART" = i ]; then  # GPU only: MoE eager at two batches and its profile; plain's largest GPT
   $GPU timeout 60 $PY -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_moe.py >"$OUT/test_moe.log" 2>&1
   {
