@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _sizes(args, device: str) -> dict:
     gpu = device == "cuda"
     return dict(
-        # 512 images (33k tokens) on a GPU: at 256 both models are bound by kernel launches
-        # on the host, and the ratio follows the host's jitter (0.38-0.58 on one H200)
+        # 512 images (33k tokens) on a GPU: at 256 the MoE step is bound by kernel launches
+        # on the host, and the ratio swings with it (0.36-0.58 on one H200)
         batch=args.batch or (512 if gpu else 16),
         hidden=args.hidden or (512 if gpu else 64),
         depth=args.depth or (8 if gpu else 2),

@@ -14,6 +14,10 @@ expert's queue):
 The result equals the capacity dispatch's (the same choices are kept, each token's
 rows see the same weights); the capacity dispatch moves and multiplies
 ``E x capacity`` slots per rank whatever the load, this one only the kept rows.
+
+With every expert local (ep 1) and ``torch._grouped_mm``, the kept counts never reach
+the host: all ``k x T`` choices run, sorted by expert, dropped ones with a zero gate
+(``_dispatch_without_sync``), so the step launches without waiting for the router.
 """
 
 from __future__ import annotations
