@@ -181,3 +181,36 @@ def test_grouped_mm_experts_equal_the_padded_batched_matmul():
     for name in ref:
         torch.testing.assert_close(grads[name], ref[name], rtol=0, atol=1e-5, msg=name)
     assert torch.equal(grads["b1"][1], torch.zeros(FFN))
+
+
+@pytest.mark.parametrize("router_cls", [moe.Top1Router, moe.Top2Router])
+def test_sync_free_path_takes_an_empty_batch(router_cls):
+    layer = _layer(router_cls, True, 1.0, "grouped", matmul="grouped_mm")
+    x = torch.zeros(0, HIDDEN, requires_grad=True)
+    out = layer(x)
+    out.sum().backward()
+    assert out.shape == (0, HIDDEN) and x.grad.shape == (0, HIDDEN)
+
+
+def test_top2_ties_go_to_the_lowest_experts():
+    """Equal logits (common in bf16) pick the lowest indices on every device; a second
+    choice whose probability underflows to 0 is still ranked by its logit."""
+    router = moe.Top2Router(min_capacity=1)
+    a = router.assign(torch.zeros(3, 8))
+    assert a.expert.view(2, 3).t().tolist() == [[0, 1]] * 3
+    a = router.assign(torch.tensor([[200.0, 0.0, 0.0, 10.0]]))
+    assert a.expert.tolist() == [0, 3]
+
+
+def test_dropped_count_is_never_updated_in_place():
+    """The sync-free path counts drops in a device tensor: a later forward adds to a new
+    one, so a count taken earlier (or made under inference_mode) stays valid."""
+    layer = _layer(moe.Top1Router, True, 0.25, "grouped", matmul="grouped_mm")
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        layer(x)
+    first = layer.last_dropped
+    before = int(first)
+    assert before > 0, "the case must drop tokens"
+    layer(x.clone().requires_grad_())  # a training forward after an inference one
+    assert int(first) == before and int(layer.last_dropped) == 2 * before

@@ -108,7 +108,7 @@ def grouped_dispatch(
     tokens: Tensor, a: Assignment, experts: Experts, group, ep: int
 ) -> tuple[Tensor, Tensor | int]:
     """The MoE output for ``tokens`` [T, d] routed as ``a``; also the dropped choices' count."""
-    if ep == 1 and experts.uses_grouped_mm(tokens):
+    if ep == 1 and tokens.shape[0] > 0 and experts.uses_grouped_mm(tokens):
         return _dispatch_without_sync(tokens, a, experts)
     kept = a.kept_counts()  # [E] on the device
     counts = kept.tolist()  # the one host sync: shapes of the gather and the all-to-all
@@ -131,7 +131,8 @@ def _dispatch_without_sync(
     token count and the host never waits for the router (each wait stalls the launch queue;
     8 per WideNet step cost more than its matmuls). Rows past capacity are computed and
     discarded: at most the ``drop_tks=False`` cost. The result equals the kept-rows path's:
-    a zero gate gives a dropped row zero output and zero gradient.
+    a zero gate gives a dropped row zero output and zero gradient (unless that row's expert
+    output overflows to inf: 0 * inf is NaN, where the kept-rows path never computes it).
 
     Every token has exactly k rows, so rows move by gathers both ways (no atomic
     ``index_add``) and the combine is a weighted sum over the k choices."""

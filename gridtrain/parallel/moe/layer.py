@@ -167,7 +167,7 @@ class MoeLayer(nn.Module):
         self._losses.append(loss)
         load = load.clone()
         self.last_load = load if self.last_load is None else self.last_load + load
-        self.last_dropped += dropped
+        self.last_dropped = self.last_dropped + dropped  # never in place: callers keep it
 
     def reset(self) -> None:
         """Forget recorded losses, load and drops (a model calls this as its forward starts)."""

@@ -223,5 +223,11 @@ class Top2Router(Router):
         if num_experts < 2:
             raise ValueError(f"Top2Router needs at least 2 experts, got {num_experts}")
         probs = F.softmax(logits, dim=-1)
-        top, index = probs.topk(2, dim=-1)
+        # two argmaxes, not topk: ties (common among bf16 gate logits) go to the lowest
+        # index, the same on every device; the second choice is ranked by logit, so it
+        # stays defined where its probability underflows to 0
+        first = probs.argmax(dim=-1, keepdim=True)
+        second = logits.scatter(-1, first, float("-inf")).argmax(dim=-1, keepdim=True)
+        index = torch.cat([first, second], dim=-1)
+        top = probs.gather(-1, index)
         return probs, index, top / top.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).eps)
