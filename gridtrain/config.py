@@ -162,7 +162,7 @@ class Fp8Config(_SwitchSection):
     """``fp8``: float8 matmuls in the model's ``nn.Linear`` layers through torchao's float8
     training (``gridtrain.amp.fp8``); ``True`` takes the defaults. Off when absent."""
 
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = Field(
+    recipe: Literal[FP8_RECIPES] = Field(
         "tensorwise",
         description=f"torchao scaling recipe, from {list(FP8_RECIPES)}: one scale per tensor "
         "(fastest), per row, or per row with the weight gradient in high precision",
@@ -254,10 +254,10 @@ class Config(BaseModel):
                     "data, pipeline or ZeRO parallelism (parallel.tensor.mode None)"
                 )
             amp = self.fp16.mode if self.fp16 is not None else None
-            if amp is not None and str(getattr(amp, "value", amp)) != "bf16":
+            amp = getattr(amp, "value", amp)  # an AMP_TYPE member or its string
+            if amp is not None and str(amp) != "bf16":
                 raise ValueError(
-                    f"fp8 runs under bf16 or fp32: fp16.mode must be 'bf16' or None, got "
-                    f"{getattr(amp, 'value', amp)!r}"
+                    f"fp8 runs under bf16 or fp32: fp16.mode must be 'bf16' or None, got {amp!r}"
                 )
         pipeline, m = self.parallel.pipeline, self.num_microbatches
         if pipeline.num_chunks > 1 and m is not None and m % pipeline.size:

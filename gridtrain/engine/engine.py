@@ -305,24 +305,25 @@ class Engine:
             self.global_step -= settled  # it was counted as taken
             guard.record(settled, self.global_step, None)
 
-    def _device_skip_target(self, amp) -> torch.optim.Optimizer | None:
-        """The fused torch optimizer that skips on a device flag, where one may (not under
-        a loss scaler, which has its own check, nor FSDP2's DTensor parameters)."""
-        if getattr(amp, "scaler", None) is not None:
-            return None
+    def _fused_target(self, optimizer) -> torch.optim.Optimizer | None:
+        """The fused torch optimizer under ``optimizer`` that can skip on a device flag
+        (``fused_skip_target``); none over FSDP2's DTensor parameters (ZeRO 3)."""
         if self.zero is not None and self.zero.stage == 3:
             return None
-        return fused_skip_target(self.optimizer, self.ctx.device)
+        return fused_skip_target(optimizer, self.ctx.device)
+
+    def _device_skip_target(self, amp) -> torch.optim.Optimizer | None:
+        """The optimizer that skips a non-finite step on the device; none under a loss
+        scaler, which has its own check."""
+        if getattr(amp, "scaler", None) is not None:
+            return None
+        return self._fused_target(self.optimizer)
 
     def _scaler_skips_on_device(self, amp) -> bool:
         """torch's GradScaler over a fused optimizer: the overflow skip needs no host sync."""
         from gridtrain.amp.torch_amp import TorchAmpOptimizer
 
-        if not isinstance(amp, TorchAmpOptimizer):
-            return False
-        if self.zero is not None and self.zero.stage == 3:
-            return False
-        return fused_skip_target(amp.optim, self.ctx.device) is not None
+        return isinstance(amp, TorchAmpOptimizer) and self._fused_target(amp.optim) is not None
 
     @property
     def nonfinite_in_a_row(self) -> int:

@@ -66,15 +66,22 @@ def expert_order(a: Assignment, kept: Tensor, total: int) -> Tensor:
     run 0, 1, ... per expert); dropped choices take the rows after ``total``, so the
     rows form a permutation and one scatter sorts them (no argsort).
     """
-    start = torch.cumsum(kept, 0) - kept
-    row = start[a.expert] + a.slot
+    row = _row_by_expert(a, kept)
     if a.capacity is not None:
         dropped = a.slot >= a.capacity
         row = torch.where(dropped, total + torch.cumsum(dropped, 0) - 1, row)
-    n = row.numel()
-    order = torch.empty(n, dtype=torch.long, device=row.device)
-    order.scatter_(0, row, torch.arange(n, device=row.device))
-    return order[:total]
+    return _inverse_permutation(row)[:total]
+
+
+def _row_by_expert(a: Assignment, counts: Tensor) -> Tensor:
+    """Each choice's row when ``counts[e]`` rows go to expert e, by expert then slot."""
+    start = torch.cumsum(counts, 0) - counts
+    return start[a.expert] + a.slot
+
+
+def _inverse_permutation(perm: Tensor) -> Tensor:
+    """``inv`` with ``inv[perm[i]] = i``: one scatter, no argsort."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 def run_experts(
@@ -100,8 +107,7 @@ def run_experts(
     per_expert = recv_counts.sum(0)
     busiest = max((sum(r[e] for r in received) for e in range(local)), default=0)
     out = experts.forward_grouped(rows.index_select(0, perm), per_expert, busiest)
-    inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(n, device=x.device))
-    return all_to_all_rows(out.index_select(0, inverse), recv, send, group)
+    return all_to_all_rows(out.index_select(0, _inverse_permutation(perm)), recv, send, group)
 
 
 def grouped_dispatch(
@@ -137,9 +143,8 @@ def _dispatch_without_sync(
     Every token has exactly k rows, so rows move by gathers both ways (no atomic
     ``index_add``) and the combine is a weighted sum over the k choices."""
     n, num_tokens = a.token.numel(), tokens.shape[0]
-    start = torch.cumsum(a.load, 0) - a.load
-    row = start[a.expert] + a.slot  # where each choice goes: by expert, then slot
-    order = torch.empty_like(row).scatter_(0, row, torch.arange(n, device=row.device))
+    row = _row_by_expert(a, a.load)  # every choice has a row: a permutation
+    order = _inverse_permutation(row)
     k = n // num_tokens
     rows = _GatherChoices.apply(tokens, order, row, k, compute_dtype(tokens))
     y = experts.forward_grouped(rows, a.load, None)
