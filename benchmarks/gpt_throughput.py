@@ -64,6 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fp8", action="store_true", help="also an 'engine fast fp8' row (torchao float8)"
     )
+    p.add_argument(
+        "--try",
+        dest="variants",
+        default="",
+        help="comma list of further engine rows, each EXTRAS names joined with '+', e.g. "
+        "fast+cdt,fast+fp8mlp",
+    )
     p.add_argument("--peak-tflops", type=float, default=None, help="override the stated peak")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -155,8 +162,38 @@ class PlainLoop:
 
 FAST = dict(compile=True, attention=dict(backends=["cudnn", "flash", "efficient", "math"]))
 FP8 = dict(FAST, fp8=True)  # and torchao float8 matmuls in the block Linears
-# engine-only config keys by name (scripts/profile_step.py)
-EXTRAS = {"fast": FAST, "fp8": dict(fp8=True), "zero1": dict(zero=1), "zero2": dict(zero=2)}
+# engine-only config keys by name, joined with '+' in --try and scripts/profile_step.py
+EXTRAS = {
+    "fast": FAST,
+    "fp8": dict(fp8=True),
+    # float8 in the MLP only (half the FLOPs, the widest matmuls); attention stays bf16
+    "fp8mlp": dict(fp8=dict(skip=["*attn*", "*lm_head", "*output", "*head"])),
+    "cdt": dict(compile=dict(options=dict(coordinate_descent_tuning=True))),
+    "autotune": dict(compile=dict(mode="max-autotune-no-cudagraphs")),
+    "graphs": dict(compile=dict(mode="reduce-overhead")),
+    "cdtgraphs": dict(
+        compile=dict(options={"coordinate_descent_tuning": True, "triton.cudagraphs": True})
+    ),
+    "maxautotune": dict(compile=dict(mode="max-autotune")),
+    # and horizontal fusion of independent kernels (fewer launches), fusion without shared reads
+    "tuned": dict(
+        compile=dict(
+            options=dict(coordinate_descent_tuning=True, combo_kernels=True, aggressive_fusion=True)
+        )
+    ),
+    "zero1": dict(zero=1),
+    "zero2": dict(zero=2),
+}
+
+
+def extra_for(spec: str) -> dict:
+    """Engine config keys for ``spec``, EXTRAS names joined with '+' (later ones win)."""
+    extra: dict = {}
+    for part in spec.split("+"):
+        if part not in EXTRAS:
+            raise SystemExit(f"unknown extra {part!r}; allowed: {', '.join(EXTRAS)}")
+        extra.update(EXTRAS[part])
+    return extra
 
 
 class EngineLoop:
@@ -218,10 +255,21 @@ def single_device(args, preset: str) -> dict[str, float]:
         loops["engine"] = EngineLoop(cfg, args, device)
     if args.fp8:
         loops["engine fast fp8"] = EngineLoop(cfg, args, device, extra=FP8)
+    for spec in filter(None, args.variants.split(",")):
+        loops[f"engine {spec}"] = EngineLoop(cfg, args, device, extra=extra_for(spec))
     best = dict.fromkeys(loops, 0.0)
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name, loop in loops.items():
-            best[name] = max(best[name], timed_round(loop, batches, args, device))
+            start = time.perf_counter()
+            tok_s = timed_round(loop, batches, args, device)
+            best[name] = max(best[name], tok_s)
+            # progress: the first round of a compiled row includes its compilation
+            print(
+                f"  {preset} round {r + 1}/{args.rounds} {name}: {tok_s:,.0f} tok/s "
+                f"({time.perf_counter() - start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     del loops
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -299,13 +347,13 @@ def print_table(rows: list[dict], args, peak_note: str) -> None:
         f"{args.device}{' (compiled)' if args.compile else ''}; best of {args.rounds} rounds x "
         f"{args.steps} steps; MFU peak: {peak_note}"
     )
-    head = f"{'preset':<8} {'params':>8} {'mode':<18} {'tokens/s':>12} {'tok/s/device':>12} {'MFU':>7} {'engine/plain':>13}"
+    head = f"{'preset':<8} {'params':>8} {'mode':<26} {'tokens/s':>12} {'tok/s/device':>12} {'MFU':>7} {'engine/plain':>13}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
         print(
-            f"{r['preset']:<8} {r['params_m']:>7.1f}M {r['mode']:<18} {r['tok_s']:>12,.0f} "
+            f"{r['preset']:<8} {r['params_m']:>7.1f}M {r['mode']:<26} {r['tok_s']:>12,.0f} "
             f"{r['tok_s'] / r['gpus']:>12,.0f} {mfu:>7} {ratio:>13}"
         )
 

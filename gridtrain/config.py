@@ -7,6 +7,7 @@ attributes (``cfg.TRAIN_ITERS``). The sections live in ``config_sections``.
 
 from __future__ import annotations
 
+import difflib
 import runpy
 import traceback
 import types
@@ -101,6 +102,12 @@ class ChunkedLossConfig(_SwitchSection):
     chunk_tokens: PositiveInt = Field(
         8192, description="tokens per chunk: one chunk's logits exist at a time"
     )
+    recompute: bool = Field(
+        False,
+        description="False: each chunk's gradients are taken in the forward and only scaled in "
+        "the backward (no matmul twice; keeps a hidden-sized gradient and the head weight's); "
+        "True: recompute each chunk's logits in the backward (one more head matmul, least memory)",
+    )
 
 
 class CompileConfig(_SwitchSection):
@@ -129,6 +136,34 @@ class CompileConfig(_SwitchSection):
         "logits once and never writes them in fp32; None: unless a tensor mode or chunked_loss "
         "puts collectives or deferred logits in it",
     )
+    options: dict[str, Any] | None = Field(
+        None,
+        description="backend options passed to torch.compile(options=...), e.g. inductor's "
+        "{'coordinate_descent_tuning': True}; not together with mode",
+    )
+
+    @model_validator(mode="after")
+    def _options_known(self) -> CompileConfig:
+        if self.options is None:
+            return self
+        if self.mode is not None:
+            raise ValueError(
+                f"compile.mode ({self.mode!r}) and compile.options cannot both be set (torch."
+                "compile takes one): a mode is a preset of options, so give its options instead"
+            )
+        if self.backend == "inductor":
+            import torch._inductor
+
+            known = set(torch._inductor.list_options())
+            unknown = sorted(set(self.options) - known)
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise ValueError(
+                    f"compile.options: unknown inductor option {unknown[0]!r}{hint}; "
+                    "torch._inductor.list_options() lists the allowed ones"
+                )
+        return self
 
 
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
-# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e|f|g|h|i OUTDIR`. GPU work is pinned to cores 0-3; CPU
+# 10-minute window: `scripts/h200_runs.sh a|b|c|d|e|f|g|h|i|j|k|l OUTDIR`. GPU work is pinned to cores 0-3; CPU
 # tables (gloo processes) run meanwhile on the other cores.
 set -uo pipefail
 PART=$1
@@ -57,6 +57,15 @@ elif [ "$PART" = h ]; then  # GPU only: MoE at two batches, eager and compiled, 
   $GPU timeout 50 $PY scripts/profile_moe.py >"$OUT/moe_profile.log" 2>&1
   $GPU timeout 100 $PY scripts/profile_moe.py --compile >"$OUT/moe_profile_compiled.log" 2>&1
   $GPU timeout 100 $PY benchmarks/resnet_throughput.py --batch 512 --steps 30 --repeats 5 >"$OUT/resnet.log" 2>&1
+elif [ "$PART" = j ]; then  # GPU only: GPT-2 350M, where its step goes, and the engine's speed levers
+  $GPU timeout 200 $PY scripts/profile_step.py --preset medium --extra fast >"$OUT/profile_350m.log" 2>&1
+  $GPU timeout 380 $PY benchmarks/gpt_throughput.py --presets medium --compile --fast --rounds 2 \
+    --try fast+cdt,fast+fp8mlp >"$OUT/gpt_350m.log" 2>&1
+elif [ "$PART" = k ]; then  # GPU only: GPT-2 350M under the compile levers (autotune is slow to build)
+  $GPU timeout 560 $PY benchmarks/gpt_throughput.py --presets medium --compile --fast --rounds 2 \
+    --try fast+cdt,fast+cdtgraphs,fast+autotune >"$OUT/gpt_350m_k.log" 2>&1
+elif [ "$PART" = l ]; then  # GPU only: GPT-2 350M profiled, plain against the tuned compile options
+  $GPU timeout 470 $PY scripts/profile_step.py --preset medium --extra fast+cdt,fast+tuned >"$OUT/profile_350m_l.log" 2>&1
 elif [ "$PART" = d ]; then  # ResNet ZeRO rows on the host CPU; MoE at size, fp8 parity, ZeRO profile
   mkdir -p /tmp/bin && ln -sf "$(command -v $PY)" /tmp/bin/python
   printf '#!/bin/sh\nexec %s -m gridtrain.cli "$@"\n' "$PY" >/tmp/bin/gridtrain && chmod +x /tmp/bin/gridtrain

@@ -35,22 +35,25 @@ def _train(ctx, batches):
     model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
     out = train_engine(ctx, model, batches, lm_loss, _adamw, example_inputs=batches[0][0])
     deferred = isinstance(model.head(torch.zeros(2, 3, 32, dtype=torch.float64)), DeferredLogits)
-    return out, deferred
+    found = model.head.forward._leaves  # (key, weights) once the no-recompute path ran
+    return out, deferred, bool(found and found[1])
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["grads in forward", "recompute"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_chunked_loss_equals_the_whole_logits_loss(name):
+def test_chunked_loss_equals_the_whole_logits_loss(name, recompute):
     world, parallel = LAYOUTS[name]
     batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
     model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
     d_losses, d_grads, d_final = train_dense(
         model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
     )
-    config = dict(CHUNK, parallel=parallel)
-    for rank, ((losses, grads, final, _, _), deferred) in enumerate(
+    config = dict(chunked_loss=dict(CHUNK["chunked_loss"], recompute=recompute), parallel=parallel)
+    for rank, ((losses, grads, final, _, _), deferred, in_forward) in enumerate(
         run_distributed(_train, world, batches, config=config, timeout=300)
     ):
         assert deferred, "the head returns deferred logits while training"
+        assert in_forward != recompute, "the path the config asks for ran"
         # float64: chunking and sharding only reorder sums
         assert losses == pytest.approx(d_losses, rel=1e-12), (name, rank)
         for k, g in d_grads.items():

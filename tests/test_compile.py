@@ -79,20 +79,24 @@ def _fp32_model():
 def _train_fp32(ctx, batches):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    out = train_engine(ctx, _fp32_model(), batches, _loss, _adamw)
+    with torch._inductor.config.patch(force_disable_caches=True):  # codegen runs every time
+        out = train_engine(ctx, _fp32_model(), batches, _loss, _adamw)
     return out[0], out[2], dict(torch._dynamo.utils.counters["stats"])
 
 
-def test_inductor_blocks_match_eager_in_float32():
-    """The default backend generates C++ for the blocks on CPU (one graph for both blocks)."""
+def test_inductor_blocks_match_eager_in_float32(tmp_path):
+    """The default backend generates C++ for the blocks on CPU (one graph for both blocks);
+    ``compile.options`` reach it (here: its trace, which writes the generated code)."""
     batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
     d_losses, _, d_final = train_dense(
         _fp32_model(), batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
     )
+    trace = {"trace.enabled": True, "trace.debug_dir": str(tmp_path)}
     ((losses, final, stats),) = run_distributed(
-        _train_fp32, 1, batches, config=dict(compile=True), timeout=600
+        _train_fp32, 1, batches, config=dict(compile=dict(options=trace, loss=False)), timeout=600
     )
     assert stats["unique_graphs"] >= 1, stats
+    assert list(tmp_path.rglob("output_code.py")), "compile.options never reached inductor"
     # float32: inductor fuses and reorders reductions (~1e-6 relative per op)
     assert losses == pytest.approx(d_losses, rel=1e-4)
     for k, v in final.items():
@@ -147,6 +151,10 @@ def test_bad_compile_and_attention_keys_name_the_allowed_values():
         gt.Config.from_dict(dict(compile=dict(mode="fast")))
     with pytest.raises(gt.ConfigError, match="cudnn"):
         gt.Config.from_dict(dict(attention=dict(backends=["cudn"])))
+    with pytest.raises(gt.ConfigError, match="did you mean 'coordinate_descent_tuning'"):
+        gt.Config.from_dict(dict(compile=dict(options={"coordinate_descent_tunning": True})))
+    with pytest.raises(gt.ConfigError, match="compile.mode .* and compile.options"):
+        gt.Config.from_dict(dict(compile=dict(mode="max-autotune", options={"max_autotune": 1})))
 
 
 def test_the_criterion_is_compiled_unless_it_holds_collectives():

@@ -47,6 +47,7 @@ def _kwargs(options: Any) -> dict[str, Any]:
         mode=options.mode,
         fullgraph=options.fullgraph,
         dynamic=options.dynamic,
+        options=options.options,
     )
 
 
@@ -91,8 +92,13 @@ def compile_criterion(criterion: Any, options: Any, ctx) -> Any:
     if not on or criterion is None:
         return criterion
     # the model's backend and shape policy; not its mode (CUDA graphs would hand back a
-    # loss the next micro-batch overwrites) nor fullgraph (a user's loss may break a graph)
+    # loss the next micro-batch overwrites) nor fullgraph (a user's loss may break a graph);
+    # its options, with CUDA graphs kept off for the same reason
     kwargs = dict(backend=options.backend, dynamic=options.dynamic)
+    if options.options is not None:
+        kwargs["options"] = dict(options.options)
+        if options.backend == "inductor":
+            kwargs["options"]["triton.cudagraphs"] = False
     if isinstance(criterion, nn.Module):
         criterion.forward = torch.compile(criterion.forward, **kwargs)
     else:

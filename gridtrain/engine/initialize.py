@@ -95,7 +95,13 @@ def shard_model(model: nn.Module, optimizer, ctx: ParallelContext, example: Any 
     if chunked is not None:
         heads = heads or find_heads(model, example)
         for name, (vocab, vocab_split) in heads.items():
-            ChunkedHead.enable(model.get_submodule(name), vocab, vocab_split, chunked.chunk_tokens)
+            ChunkedHead.enable(
+                model.get_submodule(name),
+                vocab,
+                vocab_split,
+                chunked.chunk_tokens,
+                chunked.recompute,
+            )
     return plan
 
 

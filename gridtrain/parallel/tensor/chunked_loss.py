@@ -4,13 +4,16 @@ held whole (config ``chunked_loss = dict(chunk_tokens=...)``).
 With the option on, the model's head (the Linear whose output is the model's output, in
 any tensor mode) returns ``DeferredLogits``: its input and itself, not the
 logits. ``gt.nn.CrossEntropyLoss`` recognises them and computes, chunk by chunk along the
-token dims, ``head(hidden_chunk)`` and the chunk's summed loss under activation
-checkpointing: forward keeps one chunk's logits at a time, backward recomputes each
-chunk's logits once (the measured cost: one extra head matmul). Because the head is the
-mode's own layer and the loss the mode's own loss, it is right in every tensor mode
-(vocab-split logits included) with the unfused path's values. Anything else done with
-deferred logits (``argmax``, slicing, a user loss) materialises them first, so nothing
-breaks; it only loses the memory saving.
+token dims, ``head(hidden_chunk)`` and the chunk's summed loss, one chunk's logits at a
+time. By default each chunk's gradients (for the hidden chunk and the head's weights) are
+taken right there, in the forward, and the backward only scales them by the incoming
+gradient (Liger's fused linear cross entropy does the same): no head matmul is run twice.
+``recompute=True`` instead keeps nothing but the hidden states and recomputes each chunk's
+logits in the backward (activation checkpointing: one extra head matmul, no stored
+gradients). Because the head is the mode's own layer and the loss the mode's own loss, it
+is right in every tensor mode (vocab-split logits included) with the unfused path's
+values. Anything else done with deferred logits (``argmax``, slicing, a user loss)
+materialises them first, so nothing breaks; it only loses the memory saving.
 """
 
 from __future__ import annotations
@@ -94,9 +97,18 @@ class ChunkedHead:
     the state dict keys, stay) for one that returns ``DeferredLogits`` while training.
     """
 
-    def __init__(self, layer: nn.Module, compute, vocab: int, vocab_sharded: bool, chunk: int):
+    def __init__(
+        self,
+        layer: nn.Module,
+        compute,
+        vocab: int,
+        vocab_sharded: bool,
+        chunk: int,
+        recompute: bool = False,
+    ):
         self.layer, self.compute, self.vocab = layer, compute, vocab
-        self.vocab_sharded, self.chunk_tokens = vocab_sharded, chunk
+        self.vocab_sharded, self.chunk_tokens, self.recompute = vocab_sharded, chunk, recompute
+        self._leaves: tuple[tuple[int, ...], list[Tensor] | None] | None = None
 
     def __call__(self, hidden: Tensor):
         if not (self.layer.training and torch.is_grad_enabled()):
@@ -104,8 +116,44 @@ class ChunkedHead:
         return DeferredLogits(hidden, self, self.vocab, self.chunk_tokens)
 
     @classmethod
-    def enable(cls, layer: nn.Module, vocab: int, vocab_sharded: bool, chunk_tokens: int) -> None:
-        layer.forward = cls(layer, layer.forward, vocab, vocab_sharded, chunk_tokens)
+    def enable(
+        cls,
+        layer: nn.Module,
+        vocab: int,
+        vocab_sharded: bool,
+        chunk_tokens: int,
+        recompute: bool = False,
+    ) -> None:
+        layer.forward = cls(layer, layer.forward, vocab, vocab_sharded, chunk_tokens, recompute)
+
+    def leaves(self, summed: nn.Module, h: Tensor, y: Tensor) -> list[Tensor] | None:
+        """The tensors requiring grad that one chunk's loss reaches besides its hidden states
+        (the head's weights, a tied embedding's included), found once by walking a chunk's
+        graph; None where one is not a plain tensor (a DTensor, FSDP's unsharded weights),
+        whose gradients must flow through the normal backward (``recompute``)."""
+        key = tuple(id(p) for p in self.layer.parameters())
+        if self._leaves is None or self._leaves[0] != key:
+            with torch.enable_grad():
+                probe = h.detach().requires_grad_()
+                found = _graph_leaves(summed(self.compute(probe), y).grad_fn)
+            found = [t for t in found if t is not probe]
+            plain = all(type(t) in (Tensor, nn.Parameter) for t in found)
+            self._leaves = (key, found if plain else None)
+        return self._leaves[1]
+
+
+def _graph_leaves(root) -> list[Tensor]:
+    """The leaf tensors whose gradients the autograd graph under ``root`` accumulates."""
+    leaves, seen, stack = {}, set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad
+            leaves[id(node.variable)] = node.variable
+        stack.extend(fn for fn, _ in node.next_functions)
+    return list(leaves.values())
 
 
 def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tensor) -> Tensor:
@@ -119,10 +167,17 @@ def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tenso
     per_row = math.prod(hidden.shape[:dim]) if dim > 0 else 1
     n = max(1, math.ceil(hidden.shape[dim] * per_row / logits.chunk_tokens))
     summed = loss.with_reduction("sum")
-    total = None
-    for h, y in zip(hidden.chunk(n, dim), labels.chunk(n, dim), strict=True):
-        part = checkpoint(_chunk_loss, summed, logits.head, h, y, use_reentrant=False)
-        total = part if total is None else total + part
+    head = logits.head
+    leaves = None
+    if not head.recompute and torch.is_grad_enabled():
+        leaves = head.leaves(summed, hidden.chunk(n, dim)[0], labels.chunk(n, dim)[0])
+    if leaves is not None:
+        total = _LossWithGradients.apply(summed, head, labels, n, dim, hidden, *leaves)
+    else:
+        total = None
+        for h, y in zip(hidden.chunk(n, dim), labels.chunk(n, dim), strict=True):
+            part = checkpoint(_chunk_loss, summed, head, h, y, use_reentrant=False)
+            total = part if total is None else total + part
     if loss.reduction == "sum":
         return total
     return total / loss.count(labels, logits.head.vocab_sharded)
@@ -130,3 +185,44 @@ def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tenso
 
 def _chunk_loss(summed: nn.Module, head: ChunkedHead, h: Tensor, y: Tensor) -> Tensor:
     return summed(head.compute(h), y)
+
+
+class _LossWithGradients(torch.autograd.Function):
+    """The summed loss over all chunks; each chunk's gradients are taken in the forward
+    (for a unit upstream gradient) and the backward scales them by the real one.
+
+    Gradients are of the *summed* loss, so under fp16 their magnitudes are those of the
+    softmax (≤ 1), not of a mean over tokens: nothing underflows before the loss scale,
+    which arrives with the upstream gradient, is applied. Weight gradients add over chunks
+    in fp32 (or the weight's dtype if wider).
+    """
+
+    @staticmethod
+    def forward(ctx, summed, head, labels, n, dim, hidden, *leaves):
+        total, grad_hidden = None, []
+        sums = [
+            torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in leaves
+        ]
+        with torch.enable_grad():
+            for h, y in zip(hidden.chunk(n, dim), labels.chunk(n, dim), strict=True):
+                h = h.detach().requires_grad_()
+                part = summed(head.compute(h), y)
+                grads = torch.autograd.grad(part, (h, *leaves), allow_unused=True)
+                grad_hidden.append(grads[0])
+                for acc, g in zip(sums, grads[1:], strict=True):
+                    if g is not None:
+                        acc.add_(g)
+                part = part.detach()
+                total = part if total is None else total + part
+        ctx.save_for_backward(torch.cat(grad_hidden, dim), *sums)
+        ctx.dtypes = [t.dtype for t in leaves]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, *sums = ctx.saved_tensors
+        grads = [(acc * grad_total).to(dtype) for acc, dtype in zip(sums, ctx.dtypes, strict=True)]
+        # the scale (1/count, the loss scale) applied in fp32, as the unfused loss applies it
+        wide = torch.promote_types(grad_hidden.dtype, torch.float32)
+        grad_hidden = (grad_hidden.to(wide) * grad_total).to(grad_hidden.dtype)
+        return None, None, None, None, None, grad_hidden, *grads
