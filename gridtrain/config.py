@@ -294,6 +294,12 @@ class Config(BaseModel):
                 raise ValueError(
                     f"fp8 runs under bf16 or fp32: fp16.mode must be 'bf16' or None, got {amp!r}"
                 )
+        if self.chunked_loss is not None and self.zero is not None and self.zero.stage == 3:
+            raise ValueError(
+                "chunked_loss computes the LM head after the model's forward, when ZeRO stage 3 "
+                "(FSDP2) has already freed the head's gathered weights: use chunked_loss with "
+                "zero.stage 1 or 2, or zero.stage 3 without chunked_loss"
+            )
         pipeline, m = self.parallel.pipeline, self.num_microbatches
         if pipeline.num_chunks > 1 and m is not None and m % pipeline.size:
             raise ValueError(  # the same words as pipeline.schedule.check_interleaved

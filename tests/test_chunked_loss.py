@@ -60,3 +60,36 @@ def test_chunked_loss_equals_the_whole_logits_loss(name, recompute):
             torch.testing.assert_close(grads[k], g, rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
         for k, v in d_final.items():  # AdamW on near-zero gradients: see test_plain_model_parity
             torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=f"{name} {k}")
+
+
+DATA_PARALLEL = {"dp2": {}, "dp2 zero1": dict(zero=1), "dp2 zero2": dict(zero=2)}
+
+
+@pytest.mark.parametrize("name", list(DATA_PARALLEL))
+def test_chunked_loss_gradients_reach_data_parallel_sync(name):
+    """The head's gradients, handed over in the backward by the no-recompute path, still
+    go through the gradient sync (all-reduce, ZeRO 1 and 2's reduce-scatter hooks)."""
+    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
+    d_losses, d_grads, d_final = train_dense(
+        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    results = run_distributed(_train, 2, batches, config=dict(CHUNK, **DATA_PARALLEL[name]))
+    # each rank's loss is over its half of the batch; equal halves, so the mean is the dense
+    mean = [sum(r[0][0][i] for r in results) / 2 for i in range(STEPS)]
+    assert mean == pytest.approx(d_losses, rel=1e-12), name  # float64: sums reordered
+    for rank, ((_, grads, final, _, _), deferred, _) in enumerate(results):
+        assert deferred, f"rank {rank}: the head returns deferred logits while training"
+        # stage 1 keeps each rank's gradients unsynced outside its own rows (only the
+        # optimizer's rows are reduced): its proof is the losses and the stepped weights
+        for k, g in (grads or {}).items() if name != "dp2 zero1" else ():
+            torch.testing.assert_close(g, d_grads[k], rtol=1e-10, atol=1e-12, msg=f"{rank} {k}")
+        for k, v in d_final.items():  # two AdamW steps from the synced gradients
+            torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=f"{rank} {k}")
+
+
+def test_chunked_loss_with_zero_3_is_refused_by_name():
+    # FSDP2 reshards the head after the model's forward; the deferred head would then meet
+    # sharded weights in the loss ("mixed torch.Tensor and DTensor"): refused up front
+    with pytest.raises(gt.ConfigError, match="chunked_loss .* zero.stage 1 or 2"):
+        gt.Config.from_dict(dict(CHUNK, zero=3))
