@@ -199,22 +199,25 @@ class _LossWithGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, summed, head, labels, n, dim, hidden, *leaves):
-        total, grad_hidden = None, []
+        total, grad_hidden = None, torch.empty_like(hidden)  # filled chunk by chunk
         sums = [
             torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in leaves
         ]
+        pieces = zip(
+            hidden.chunk(n, dim), labels.chunk(n, dim), grad_hidden.chunk(n, dim), strict=True
+        )
         with torch.enable_grad():
-            for h, y in zip(hidden.chunk(n, dim), labels.chunk(n, dim), strict=True):
+            for h, y, out in pieces:
                 h = h.detach().requires_grad_()
                 part = summed(head.compute(h), y)
                 grads = torch.autograd.grad(part, (h, *leaves), allow_unused=True)
-                grad_hidden.append(grads[0])
+                out.copy_(grads[0])
                 for acc, g in zip(sums, grads[1:], strict=True):
                     if g is not None:
                         acc.add_(g)
                 part = part.detach()
                 total = part if total is None else total + part
-        ctx.save_for_backward(torch.cat(grad_hidden, dim), *sums)
+        ctx.save_for_backward(grad_hidden, *sums)
         ctx.dtypes = [t.dtype for t in leaves]
         return total
 
