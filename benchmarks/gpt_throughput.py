@@ -2,6 +2,8 @@
 
     python benchmarks/gpt_throughput.py                 # H200: 124M and 350M, seq 1024, bf16
     python benchmarks/gpt_throughput.py --device cpu    # tiny preset, short sequences (~1 min)
+    python benchmarks/gpt_throughput.py --presets medium --compile --fast --try fast+cdt
+                                                        # more engine rows: EXTRAS joined by '+'
 
 Each row trains the same model (``demos/gpt/model.py``) on random tokens:
 ``plain`` is the loop everyone writes (autocast bf16, fused AdamW, fp32 master
@@ -167,7 +169,7 @@ EXTRAS = {
     "fast": FAST,
     "fp8": dict(fp8=True),
     # float8 in the MLP only (half the FLOPs, the widest matmuls); attention stays bf16
-    "fp8mlp": dict(fp8=dict(skip=["*attn*", "*lm_head", "*output", "*head"])),
+    "fp8mlp": dict(fp8=dict(skip=["*attn*", *gt.config.Fp8Config().skip])),
     "cdt": dict(compile=dict(options=dict(coordinate_descent_tuning=True))),
     "autotune": dict(compile=dict(mode="max-autotune-no-cudagraphs")),
     "graphs": dict(compile=dict(mode="reduce-overhead")),
