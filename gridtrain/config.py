@@ -105,8 +105,9 @@ class ChunkedLossConfig(_SwitchSection):
     recompute: bool = Field(
         False,
         description="False: each chunk's gradients are taken in the forward and only scaled in "
-        "the backward (no matmul twice; keeps a hidden-sized gradient and the head weight's); "
-        "True: recompute each chunk's logits in the backward (one more head matmul, least memory)",
+        "the backward (no matmul twice; keeps a hidden-sized gradient and the head weight's; "
+        "fp16 runs always recompute, as a chunk's weight gradient could overflow fp16); True: "
+        "recompute each chunk's logits in the backward (one more head matmul, least memory)",
     )
 
 
@@ -155,7 +156,8 @@ class CompileConfig(_SwitchSection):
             import torch._inductor
 
             known = set(torch._inductor.list_options())
-            unknown = sorted(set(self.options) - known)
+            # torch.compile reads 'a-b' as 'a_b'
+            unknown = sorted(k for k in self.options if k.replace("-", "_") not in known)
             if unknown:
                 close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -11,7 +11,7 @@ from helpers.models import TinyTransformer, tiny_batches
 from helpers.parity import seeded, train_dense, train_engine
 
 import gridtrain as gt
-from gridtrain.parallel.tensor.chunked_loss import DeferredLogits
+from gridtrain.parallel.tensor.chunked_loss import ChunkedHead, DeferredLogits
 
 STEPS, BATCH, SEQ, VOCAB = 2, 8, 16, 64
 CHUNK = dict(chunked_loss=dict(chunk_tokens=32))  # 128 tokens per batch: 4 chunks
@@ -93,3 +93,58 @@ def test_chunked_loss_with_zero_3_is_refused_by_name():
     # sharded weights in the loss ("mixed torch.Tensor and DTensor"): refused up front
     with pytest.raises(gt.ConfigError, match="chunked_loss .* zero.stage 1 or 2"):
         gt.Config.from_dict(dict(CHUNK, zero=3))
+
+
+def _heads(chunk: int, h: int, v: int, dtype=torch.float64):
+    """A chunked head with recompute off, and an unfused copy with the same weights."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(h, v).to(dtype)
+    ref = torch.nn.Linear(h, v).to(dtype)
+    ref.load_state_dict(head.state_dict())
+    ChunkedHead.enable(head, v, False, chunk, recompute=False)
+    return head, ref
+
+
+def _grads(head, x, y, scale: float = 1.0, autocast=None):
+    x = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        loss = gt.nn.CrossEntropyLoss()(head(x), y)
+    (loss * scale).backward()
+    return head.weight.grad.clone(), x.grad
+
+
+def test_a_head_unfrozen_after_a_chunked_step_trains():
+    head, ref = _heads(chunk=5, h=4, v=6)
+    x, y = torch.randn(2, 8, 4, dtype=torch.float64), torch.randint(0, 6, (2, 8))
+    head.requires_grad_(False)  # frozen for a warm-up step
+    gt.nn.CrossEntropyLoss()(head(x.clone().requires_grad_()), y).backward()
+    head.requires_grad_(True)
+    got, got_x = _grads(head, x, y)
+    want, want_x = _grads(ref, x, y)
+    # float64; without the requires_grad in the leaves' cache key the weight got no gradient
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-12, atol=1e-15)
+
+
+def test_a_batch_with_every_label_ignored_gives_zero_gradients_not_nan():
+    head, ref = _heads(chunk=5, h=4, v=6)
+    x, y = torch.randn(2, 8, 4, dtype=torch.float64), torch.full((2, 8), -100)
+    got, got_x = _grads(head, x, y)  # the loss is 0/0 = nan in both; its scale 1/0 = inf
+    want, want_x = _grads(ref, x, y)
+    assert torch.equal(want, torch.zeros_like(want)), "the unfused loss's gradient is zero"
+    assert torch.equal(got, want) and torch.equal(got_x, want_x), "0 * inf stays 0"
+
+
+def test_fp16_recomputes_so_a_chunk_weight_gradient_cannot_overflow():
+    # 4096 tokens of one label with a feature of 40 (an outlier after a final norm): the
+    # summed loss's weight gradient for it is -40 * 4096 = -163840, past fp16's 65504,
+    # while the mean loss's is -40
+    head, ref = _heads(chunk=4096, h=8, v=16, dtype=torch.float32)
+    x = torch.randn(1, 4096, 8)
+    x[..., 0] = 40.0
+    y = torch.zeros(1, 4096, dtype=torch.long)
+    got, _ = _grads(head, x, y, autocast=torch.float16)
+    want, _ = _grads(ref, x, y, autocast=torch.float16)
+    assert torch.isfinite(got).all(), "fp16 must take the recompute path"
+    # fp16 GEMMs accumulate the same products in another order: ~1e-3 relative
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-4)

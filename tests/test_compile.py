@@ -153,6 +153,8 @@ def test_bad_compile_and_attention_keys_name_the_allowed_values():
         gt.Config.from_dict(dict(attention=dict(backends=["cudn"])))
     with pytest.raises(gt.ConfigError, match="did you mean 'coordinate_descent_tuning'"):
         gt.Config.from_dict(dict(compile=dict(options={"coordinate_descent_tunning": True})))
+    hyphens = gt.Config.from_dict(dict(compile=dict(options={"coordinate-descent-tuning": 1})))
+    assert hyphens.compile.options, "torch.compile reads 'a-b' as 'a_b': so does the check"
     with pytest.raises(gt.ConfigError, match="compile.mode .* and compile.options"):
         gt.Config.from_dict(dict(compile=dict(mode="max-autotune", options={"max_autotune": 1})))
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 
@@ -131,7 +132,7 @@ class ChunkedHead:
         (the head's weights, a tied embedding's included), found once by walking a chunk's
         graph; None where one is not a plain tensor (a DTensor, FSDP's unsharded weights),
         whose gradients must flow through the normal backward (``recompute``)."""
-        key = tuple(id(p) for p in self.layer.parameters())
+        key = tuple((id(p), p.requires_grad) for p in self.layer.parameters())  # + freezing
         if self._leaves is None or self._leaves[0] != key:
             with torch.enable_grad():
                 probe = h.detach().requires_grad_()
@@ -169,7 +170,7 @@ def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tenso
     summed = loss.with_reduction("sum")
     head = logits.head
     leaves = None
-    if not head.recompute and torch.is_grad_enabled():
+    if not (head.recompute or _fp16(hidden)) and torch.is_grad_enabled():
         leaves = head.leaves(summed, hidden.chunk(n, dim)[0], labels.chunk(n, dim)[0])
     if leaves is not None:
         total = _LossWithGradients.apply(summed, head, labels, n, dim, hidden, *leaves)
@@ -183,6 +184,14 @@ def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tenso
     return total / loss.count(labels, logits.head.vocab_sharded)
 
 
+def _fp16(hidden: Tensor) -> bool:
+    """Whether the head runs in fp16, where a chunk's weight gradient (a sum over its tokens,
+    taken before the loss scale and 1/count arrive) can overflow: those runs recompute."""
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device)
+    return torch.float16 in (autocast, hidden.dtype)
+
+
 def _chunk_loss(summed: nn.Module, head: ChunkedHead, h: Tensor, y: Tensor) -> Tensor:
     return summed(head.compute(h), y)
 
@@ -191,10 +200,10 @@ class _LossWithGradients(torch.autograd.Function):
     """The summed loss over all chunks; each chunk's gradients are taken in the forward
     (for a unit upstream gradient) and the backward scales them by the real one.
 
-    Gradients are of the *summed* loss, so under fp16 their magnitudes are those of the
-    softmax (≤ 1), not of a mean over tokens: nothing underflows before the loss scale,
-    which arrives with the upstream gradient, is applied. Weight gradients add over chunks
-    in fp32 (or the weight's dtype if wider).
+    Gradients are of the *summed* loss (1/count and any loss scale arrive with the upstream
+    gradient), so a chunk's weight gradient is a sum over its tokens: fine in fp32 and bf16,
+    but it could overflow fp16, whose runs take the recompute path (``_fp16``). Weight
+    gradients add over chunks in fp32 (or the weight's dtype if wider).
     """
 
     @staticmethod
@@ -217,15 +226,26 @@ class _LossWithGradients(torch.autograd.Function):
                         acc.add_(g)
                 part = part.detach()
                 total = part if total is None else total + part
+                del grads  # before the next chunk's: one weight-sized gradient at a time
         ctx.save_for_backward(grad_hidden, *sums)
         ctx.dtypes = [t.dtype for t in leaves]
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_total):
         grad_hidden, *sums = ctx.saved_tensors
-        grads = [(acc * grad_total).to(dtype) for acc, dtype in zip(sums, ctx.dtypes, strict=True)]
-        # the scale (1/count, the loss scale) applied in fp32, as the unfused loss applies it
-        wide = torch.promote_types(grad_hidden.dtype, torch.float32)
-        grad_hidden = (grad_hidden.to(wide) * grad_total).to(grad_hidden.dtype)
-        return None, None, None, None, None, grad_hidden, *grads
+        grads = [
+            _scaled(acc, grad_total, dtype) for acc, dtype in zip(sums, ctx.dtypes, strict=True)
+        ]
+        return None, None, None, None, None, _scaled(grad_hidden, grad_total), *grads
+
+
+def _scaled(grad: Tensor, scale: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``grad * scale`` in at least fp32 (the scale is 1/count times the loss scale, applied
+    as the unfused loss applies it), cast to ``dtype``. An exact zero stays zero, as an
+    ignored token's gradient does in the unfused loss, even where the scale is inf (a batch
+    with every label ignored: count 0)."""
+    wide = torch.promote_types(grad.dtype, torch.float32)
+    out = grad.to(wide) * scale
+    return torch.where(grad == 0, 0.0, out).to(dtype or grad.dtype)
