@@ -159,7 +159,8 @@ def _graph_leaves(root) -> list[Tensor]:
 
 def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tensor) -> Tensor:
     """``loss(logits, labels)`` (a ``GridCrossEntropyLoss``) without whole logits: per chunk of
-    tokens the head and the summed loss under checkpointing, then the loss's own mean."""
+    tokens the head and the summed loss, with their gradients taken in the forward (or under
+    checkpointing: ``recompute``, fp16), then the loss's own mean."""
     hidden = logits.hidden
     if tuple(hidden.shape[:-1]) != tuple(labels.shape):
         return loss(logits.materialize(), labels)
