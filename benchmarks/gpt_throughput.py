@@ -163,7 +163,6 @@ class PlainLoop:
 
 
 FAST = dict(compile=True, attention=dict(backends=["cudnn", "flash", "efficient", "math"]))
-FP8 = dict(FAST, fp8=True)  # and torchao float8 matmuls in the block Linears
 # engine-only config keys by name, joined with '+' in --try and scripts/profile_step.py
 EXTRAS = {
     "fast": FAST,
@@ -256,7 +255,7 @@ def single_device(args, preset: str) -> dict[str, float]:
     else:
         loops["engine"] = EngineLoop(cfg, args, device)
     if args.fp8:
-        loops["engine fast fp8"] = EngineLoop(cfg, args, device, extra=FP8)
+        loops["engine fast fp8"] = EngineLoop(cfg, args, device, extra=extra_for("fast+fp8"))
     for spec in filter(None, args.variants.split(",")):
         loops[f"engine {spec}"] = EngineLoop(cfg, args, device, extra=extra_for(spec))
     best = dict.fromkeys(loops, 0.0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in two parts that each fit a
+# The GPU figures of benchmarks/RESULTS.md on a one-GPU machine, in parts that each fit a
 # 10-minute window: `scripts/h200_runs.sh a|b|c|d|e|f|g|h|i|j|k|l OUTDIR`. GPU work is pinned to cores 0-3; CPU
 # tables (gloo processes) run meanwhile on the other cores.
 set -uo pipefail

@@ -94,11 +94,9 @@ def compile_criterion(criterion: Any, options: Any, ctx) -> Any:
     # the model's backend and shape policy; not its mode (CUDA graphs would hand back a
     # loss the next micro-batch overwrites) nor fullgraph (a user's loss may break a graph);
     # its options, with CUDA graphs kept off for the same reason
-    kwargs = dict(backend=options.backend, dynamic=options.dynamic)
-    if options.options is not None:
-        kwargs["options"] = dict(options.options)
-        if options.backend == "inductor":
-            kwargs["options"]["triton.cudagraphs"] = False
+    kwargs = {k: v for k, v in _kwargs(options).items() if k not in ("mode", "fullgraph")}
+    if kwargs["options"] is not None and options.backend == "inductor":
+        kwargs["options"] = {**kwargs["options"], "triton.cudagraphs": False}
     if isinstance(criterion, nn.Module):
         criterion.forward = torch.compile(criterion.forward, **kwargs)
     else:

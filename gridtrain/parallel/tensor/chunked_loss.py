@@ -170,14 +170,15 @@ def chunked_cross_entropy(loss: nn.Module, logits: DeferredLogits, labels: Tenso
     n = max(1, math.ceil(hidden.shape[dim] * per_row / logits.chunk_tokens))
     summed = loss.with_reduction("sum")
     head = logits.head
+    pieces = list(zip(hidden.chunk(n, dim), labels.chunk(n, dim), strict=True))
     leaves = None
     if not (head.recompute or _fp16(hidden)) and torch.is_grad_enabled():
-        leaves = head.leaves(summed, hidden.chunk(n, dim)[0], labels.chunk(n, dim)[0])
+        leaves = head.leaves(summed, *pieces[0])
     if leaves is not None:
         total = _LossWithGradients.apply(summed, head, labels, n, dim, hidden, *leaves)
     else:
         total = None
-        for h, y in zip(hidden.chunk(n, dim), labels.chunk(n, dim), strict=True):
+        for h, y in pieces:
             part = checkpoint(_chunk_loss, summed, head, h, y, use_reentrant=False)
             total = part if total is None else total + part
     if loss.reduction == "sum":
