@@ -49,11 +49,17 @@ def test_chunked_loss_equals_the_whole_logits_loss(name, recompute):
         model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
     )
     config = dict(chunked_loss=dict(CHUNK["chunked_loss"], recompute=recompute), parallel=parallel)
-    for rank, ((losses, grads, final, _, _), deferred, in_forward) in enumerate(
+    for rank, ((losses, grads, final, _, held), deferred, in_forward) in enumerate(
         run_distributed(_train, world, batches, config=config, timeout=300)
     ):
         assert deferred, "the head returns deferred logits while training"
         assert in_forward != recompute, "the path the config asks for ran"
+        # really sharded: the chunked head and every block matrix are 1/world of the dense
+        # (a replica would hold all of each; 1d's LayerNorms and row-parallel biases stay whole)
+        mats = [
+            k for k in held if k.startswith("blocks.") and k.endswith("weight") and ".ln" not in k
+        ]
+        assert mats and all(held[k] == 1 / world for k in [*mats, "head.weight"]), (name, held)
         # float64: chunking and sharding only reorder sums
         assert losses == pytest.approx(d_losses, rel=1e-12), (name, rank)
         for k, g in d_grads.items():
