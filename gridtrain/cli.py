@@ -36,11 +36,12 @@ from gridtrain.launch import CONFIG_ENV
 
 EXAMPLES = """\
 examples:
-  gridtrain run --nproc_per_node 4 --config configs/2d.py train.py --lr 0.1
+  gridtrain run --nproc_per_node 4 --config configs/tp_2d.py train.py --lr 0.1
   gridtrain run --host node1,node2 --nproc_per_node 8 --config config.py train.py
   gridtrain run --hostfile hosts.txt --exclude node3 --config config.py train.py
   gridtrain run --nproc_per_node 8 --max-restarts 3 --config config.py train.py
-  gridtrain topo --config configs/2d.py --world-size 16
+  gridtrain topo --config configs/tp_2d.py --world-size 16
+  gridtrain topo --config configs/tp_2d.py --world-size 16 --rank 5
 """
 
 RUN_DESCRIPTION = """\
@@ -162,12 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     topo = sub.add_parser(
         "topo",
-        help="print the rank grid and every process group, starting nothing",
+        help="print the rank grid and its process groups, starting nothing",
         description="Print how --world-size ranks are cut into data, pipeline, tensor "
-        "(and per-mode) groups under this config, without starting any process.",
+        "(and per-mode) groups under this config, without starting any process. By "
+        "default one line per mode: group count, size, the stride between a group's "
+        "ranks and rank 0's group, a few lines at any world size.",
     )
     topo.add_argument("--config", required=True, help="gridtrain config (.py, .yaml or .yml)")
     topo.add_argument("--world-size", "--world_size", type=int, required=True, metavar="N")
+    view = topo.add_mutually_exclusive_group()
+    view.add_argument("--rank", type=int, metavar="R", help="every group of rank R, in full")
+    view.add_argument("--full", action="store_true", help="every group of every mode, in full")
     topo.set_defaults(handler=_cmd_topo, parser=topo)
     estimate_cli.add_parser(sub)
     return parser
@@ -345,9 +351,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 # ---- topo -----------------------------------------------------------------------------------
 def _cmd_topo(args: argparse.Namespace) -> int:
     from gridtrain.parallel.topology import format_topology
+    from gridtrain.parallel.topology_views import format_rank, summarize_topology
 
     cfg = load_config(args.config)
-    print(format_topology(cfg, args.world_size))
+    cfg.check_world_size(args.world_size)
+    if args.full:
+        print(format_topology(cfg, args.world_size))
+    elif args.rank is not None:
+        if not 0 <= args.rank < args.world_size:
+            raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
+        print(format_rank(cfg, args.world_size, args.rank))
+    else:
+        print(summarize_topology(cfg, args.world_size))
     return 0
 
 

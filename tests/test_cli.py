@@ -293,8 +293,8 @@ def test_run_hosts_prefixes_output_and_stops_the_rest_when_a_host_fails(files, m
 
 
 # ---- topo -----------------------------------------------------------------------------------
-def test_topo_prints_the_2d_groups(files, no_process, capsys):
-    assert cli.main(["topo", "--config", "config.py", "--world-size", "8"]) == 0
+def test_topo_full_prints_the_2d_groups(files, no_process, capsys):
+    assert cli.main(["topo", "--config", "config.py", "--world-size", "8", "--full"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("world 8 = data 2 x pipeline 1 x tensor 4 (tensor mode 2d")
     rows = next(line for line in lines if line.startswith("PARALLEL_2D_ROW"))

@@ -120,16 +120,21 @@ def group_of(groups: list[tuple[int, ...]], global_rank: int) -> tuple[int, ...]
     raise ValueError(f"rank {global_rank} is in no group of this mode")
 
 
-def format_topology(config: Config, world_size: int) -> str:
-    """A human-readable table of the grid and every group (for ``gridtrain topo``)."""
-    groups = build_groups(config, world_size)
+def topology_header(config: Config, world_size: int) -> list[str]:
+    """The grid's sizes and the rank formula: the first lines of every ``gridtrain topo`` view."""
     P, T = config.pipeline_size, config.tensor_size
-    D = world_size // (P * T)
-    lines = [
+    D = config.data_size(world_size)
+    return [
         f"world {world_size} = data {D} x pipeline {P} x tensor {T}"
         f" (tensor mode {config.tensor_mode}, expert parallel {config.moe.expert_parallel_size})",
         "global_rank = ((d * P) + p) * T + t",
     ]
+
+
+def format_topology(config: Config, world_size: int) -> str:
+    """Every group of every mode in full (``gridtrain topo --full``)."""
+    groups = build_groups(config, world_size)
+    lines = topology_header(config, world_size)
     for mode, parts in groups.items():
         shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in parts)
         lines.append(f"{mode.name:<28} {len(parts):>5} groups of {len(parts[0]):<5} {shown}")
