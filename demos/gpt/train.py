@@ -27,6 +27,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 import gridtrain as gt  # noqa: E402
+from demos.config_args import config_parser, fill_from_config  # noqa: E402
 from demos.gpt import data as gpt_data  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
@@ -51,11 +52,9 @@ ARGS = [
 ]
 
 
-def parse_args(config, argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, const, typ, default, help_ in ARGS:
-        default = getattr(config, const, default)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=typ, default=default, help=help_)
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line alone (before any launch, so ``--help`` needs no config)."""
+    parser = config_parser(__doc__.split("\n")[0], ARGS)
     parser.add_argument("--prompt", default="The ", help="text the sample continues")
     parser.add_argument("--checkpoint", default=None, help="directory of sharded checkpoints")
     parser.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
@@ -68,7 +67,12 @@ def parse_args(config, argv=None) -> argparse.Namespace:
         default=0,
         help="testing restarts: the last rank exits with code 1 after this step, first attempt only",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def with_config(args: argparse.Namespace, config) -> argparse.Namespace:
+    """Fill what the command line left unset from the config's constants, then check it."""
+    fill_from_config(args, config, ARGS)
     for name in ("steps", "batch_size", "seq_len", "eval_batches"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -138,8 +142,9 @@ def evaluate(engine, loader, batches: int, ctx) -> float:
 
 
 def main(argv=None) -> dict:
+    args = parse_args(argv)
     ctx = gt.launch_from_torch()
-    args = parse_args(ctx.config, argv)
+    args = with_config(args, ctx.config)
     rank0 = ctx.global_rank == 0
     train_tokens, val_tokens = gpt_data.split_corpus(gpt_data.load_corpus(args.data))
     cfg = gpt_model.preset(

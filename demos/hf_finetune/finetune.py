@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import gridtrain as gt  # noqa: E402
 import gridtrain.hf as gthf  # noqa: E402
+from demos.config_args import config_parser, fill_from_config  # noqa: E402
 from demos.hf_finetune import data  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
 
@@ -66,13 +67,14 @@ ARGS = [
 ]
 
 
-def parse_args(config, argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for name, const, typ, default, help_ in ARGS:
-        parser.add_argument(
-            f"--{name}", type=typ, default=getattr(config, const, default), help=help_
-        )
-    args = parser.parse_args(argv)
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line alone (before any launch, so ``--help`` needs no config)."""
+    return config_parser(__doc__.split("\n")[0], ARGS, sep="_").parse_args(argv)
+
+
+def with_config(args: argparse.Namespace, config) -> argparse.Namespace:
+    """Fill what the command line left unset from the config's constants, then check it."""
+    fill_from_config(args, config, ARGS)
     if args.model_type not in ("gpt2", "llama"):
         raise SystemExit(f"--model_type must be gpt2 or llama, got {args.model_type!r}")
     if not args.pretrained_path:
@@ -228,8 +230,9 @@ def broadcast_scores(scores: dict | None, ctx) -> dict[str, float]:
 
 
 def main(argv=None) -> dict:
+    args = parse_args(argv)
     ctx = gt.launch_from_torch()
-    args = parse_args(ctx.config, argv)
+    args = with_config(args, ctx.config)
     rank0 = ctx.global_rank == 0
     if not has_weights(args.pretrained_path):
         pretrain(args, ctx)
