@@ -15,6 +15,7 @@ from gridtrain.parallel.context import ParallelContext, destroy, get_context
 from gridtrain.parallel.materialize import lazy_init
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import full_state_dict, load_full_state_dict
+from gridtrain.third_party_logs import drop_known_notices
 
 __all__ = [
     "Config",
@@ -39,3 +40,5 @@ __all__ = [
     "save_checkpoint",
     "wait_pending",
 ]
+
+drop_known_notices()  # before a script imports its model: see third_party_logs
