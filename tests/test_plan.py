@@ -68,6 +68,17 @@ class _Tied(nn.Module):
         return self.head(self.emb(ids))
 
 
+class _TwoInputs(nn.Module):
+    """A forward no single tensor built from the entry layer can call."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, scale):
+        return self.b(torch.relu(self.a(x))) * scale
+
+
 ERRORS = {
     "pattern matches nothing": (
         2,
@@ -88,7 +99,12 @@ ERRORS = {
         _mlp,
         r"two column layers in a row: '0' \(colwise\) is read by '2' \(colwise\)",
     ),
-    "no example and no plan": (2, {}, _mlp, r"no example input.*for \['0', '2'\]"),
+    "no input can be built": (
+        2,
+        {},
+        _TwoInputs,
+        r"no input could be built for _TwoInputs.*pass example_inputs=",
+    ),
     "tie cut two ways": (
         2,
         dict(plan={"head": "colwise_gather_output"}),
@@ -102,7 +118,7 @@ ERRORS = {
 def test_a_plan_that_does_not_fit_fails_before_any_weight_moves(name):
     world, tensor, build, pattern = ERRORS[name]
     config = dict(parallel=dict(tensor=dict(size=world, mode="1d", **tensor)))
-    example = name != "no example and no plan"
+    example = name != "no input can be built"
     for err, untouched in run_distributed(_init, world, build, example, config=config):
         assert err is not None and __import__("re").search(pattern, err), err
         assert untouched, "no parameter was replaced"

@@ -81,7 +81,7 @@ class Engine:
         self.optimizer = optimizer
         self.ctx = ctx
         self.schedule = schedule
-        self.plan = plan  # the tensor plan (print it), None without a tensor mode
+        self.plan = plan  # the layout and tensor plan (print it): a Plan in every layout
         self.lr_scheduler = lr_scheduler
         self.gradient_handlers = list(gradient_handlers or [])
         self.data_parallel = data_parallel

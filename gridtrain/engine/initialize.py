@@ -32,7 +32,9 @@ from gridtrain.parallel.materialize import materialise
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import default_dp_mode, get_dp_mode, is_pipeline_shared
 from gridtrain.parallel.tensor.chunked_loss import ChunkedHead
+from gridtrain.parallel.tensor.coverage import coverage_notice
 from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan, find_heads
+from gridtrain.parallel.tensor.plan import Plan
 from gridtrain.parallel.zero import build_zero
 
 logger = logging.getLogger("gridtrain")
@@ -66,7 +68,8 @@ def _any_rank_has_shared(model: nn.Module, ctx: ParallelContext) -> bool:
 
 def example_from(train_dataloader: Any, model: nn.Module) -> Any:
     """An input to trace the model with: the first batch's data, else the model's
-    ``dummy_inputs`` (Hugging Face), else None. An iterator is never consumed."""
+    ``dummy_inputs`` (Hugging Face), else None (the planner then builds one from the
+    model's entry layer). An iterator is never consumed."""
     if train_dataloader is not None and not isinstance(train_dataloader, Iterator):
         batch = next(iter(train_dataloader))
         if isinstance(batch, tuple | list) and len(batch) == 2:
@@ -78,19 +81,22 @@ def example_from(train_dataloader: Any, model: nn.Module) -> Any:
     return dummy if isinstance(dummy, dict) else None
 
 
-def shard_model(model: nn.Module, optimizer, ctx: ParallelContext, example: Any = None):
-    """Plan and apply tensor parallelism to ``model`` in place; returns the plan (or None).
+def shard_model(model: nn.Module, optimizer, ctx: ParallelContext, example: Any = None) -> Plan:
+    """Plan and apply tensor parallelism to ``model`` in place; returns the plan (a ``Plan``
+    in every layout: with no tensor mode it shows the data / pipeline / ZeRO layout).
 
     With ``chunked_loss`` the model's heads then return deferred logits (``chunked_loss.py``).
     """
-    plan = None
+    plan = build_plan(model, ctx, example)
     heads: dict = {}
     if ctx.tensor_mode is not None:
-        plan = build_plan(model, ctx, example)
         heads = plan.heads
         new_of = apply_plan(model, plan, ctx)
         rebind_optimizer(optimizer, new_of, ctx=ctx)
         logger.info("%s", plan)
+        notice = coverage_notice(plan, model)
+        if notice is not None and ctx.global_rank == 0:
+            logger.warning("%s", notice)
     chunked = getattr(ctx.config, "chunked_loss", None)
     if chunked is not None:
         heads = heads or find_heads(model, example)
@@ -125,11 +131,13 @@ def initialize(
     layers under the same names, starting from the weights the model holds, and
     ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
     the plan is traced, ``example_inputs`` (else the first batch of
-    ``train_dataloader``, else the model's ``dummy_inputs``) drives the trace on meta.
+    ``train_dataloader``, else the model's ``dummy_inputs``, else an input built from the
+    model's entry layer) drives the trace on meta.
     Parameters are then broadcast over their data-parallel group, so replicas start
     equal. With ``zero``, the optimizer is then rebound once more, to the rows of each
     parameter this rank owns (``gridtrain.parallel.zero``). The engine steps
-    ``lr_scheduler`` once per optimizer step; do not step it yourself. ``engine.plan`` shows each layer's style and shard shape.
+    ``lr_scheduler`` once per optimizer step; do not step it yourself. ``engine.plan`` shows the layout and each layer's style and
+    shard shape.
     """
     ctx = ctx or get_context()
     cfg = ctx.config

@@ -19,8 +19,11 @@ from torch import nn
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import get_shard_spec
-from gridtrain.parallel.tensor.base import ShardedModule, describe_spec
+from gridtrain.parallel.tensor.base import ShardedModule, describe_spec, linear_dims
+from gridtrain.parallel.tensor.coverage import better_layout, count_sharded
+from gridtrain.parallel.tensor.entry_input import infer_example
 from gridtrain.parallel.tensor.layers import layer_for
+from gridtrain.parallel.tensor.local_shapes import check_local_shapes
 from gridtrain.parallel.tensor.plan import (
     COL_SHARDED,
     DROPOUT,
@@ -36,6 +39,7 @@ from gridtrain.parallel.tensor.plan import (
     PlanError,
     _bad_sinks,
     infer_1d,
+    layout_of,
     match_patterns,
     model_adapter,
     orientations,
@@ -65,16 +69,65 @@ def meta_twin(module: nn.Module) -> nn.Module:
 
 
 def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> Plan:
-    """The plan of ``model`` under ``ctx``'s tensor mode (see ``plan.py``); raises ``PlanError``."""
+    """The plan of ``model`` under ``ctx``'s layout (see ``plan.py``); raises ``PlanError``.
+
+    ``example`` (one batch of the model's input) drives the meta trace; None builds one
+    from the model's entry layer (``entry_input.py``)."""
     mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
-    plan = Plan(mode, n)
+    plan = Plan(mode, n, layout=layout_of(ctx))
     if mode is None:
+        count_sharded(plan, model)
         return plan
     own_plan, adapter = model_plan(model), model_adapter(model)
     if adapter is not None:  # e.g. Hugging Face: gridtrain's plan for GPT-2, head checks
         own_plan, example = adapter.plan_model(model, ctx, example)
     kinds = tracked_modules(model)
     modules = dict(model.named_modules())
+    given = _given_styles(model, ctx, kinds, modules, own_plan)
+
+    flow = None
+    if mode != "sequence":  # a given plan is checked against the flow too
+        needs_flow = mode in GRID_MODES or any(kinds[m] == LINEAR and m not in given for m in kinds)
+        if example is None:
+            example = _entry_example(model, mode, needs_flow)
+        if example is not None:
+            flow = trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()})
+    styles, origin = _styles(mode, n, kinds, given, flow, modules)
+    if flow is not None:
+        plan.heads = {
+            m: (linear_dims(modules[m])[1], False)
+            for m in flow.order
+            if kinds.get(m) == LINEAR and m in flow.output_sources
+        }
+    _add_entries(plan, kinds, styles, origin, flow, modules)
+    _dry_run(plan, modules, ctx)
+    _resolve_ties(plan, model, modules, ctx)
+    plan.heads = {m: (v, plan[m].style == "vocab_parallel") for m, (v, _) in plan.heads.items()}
+    if mode in GRID_MODES:
+        _check_all_params_planned(plan, model, mode)
+    count_sharded(plan, model)
+    if flow is not None and adapter is None:  # an adapter checks its models' heads itself
+        check_local_shapes(model, example, plan, flow, ctx)
+    return plan
+
+
+def _entry_example(model: nn.Module, mode: str, needed: bool) -> Any:
+    """An input built from ``model``'s entry layer; None when the plan needs no trace and
+    none can be built (the trace then only checks a plan given in full)."""
+    why = (
+        f"tensor mode {mode!r}: gridtrain traces the model's data flow on the meta device to "
+        "pick each layer's split"
+    )
+    try:
+        return infer_example(model, why)
+    except PlanError:
+        if needed:
+            raise
+        return None
+
+
+def _given_styles(model, ctx, kinds, modules, own_plan) -> dict[str, tuple[str, str]]:
+    """Module -> (style, origin) from the config's plan, ``gt.nn`` hints and the model's plan."""
     names = list(kinds)
     given: dict[str, tuple[str, str]] = {}
     cfg_plan = getattr(ctx.config.parallel.tensor, "plan", None) or {}
@@ -88,73 +141,50 @@ def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> P
     for name, style in own.items():
         given.setdefault(name, (style, "model plan"))
     _check_kinds(given, kinds)
+    return given
 
-    flow = None
-    needs_flow = mode in GRID_MODES or any(kinds[m] == LINEAR and m not in given for m in names)
-    if mode != "sequence" and (needs_flow or example is not None):  # a given plan is checked too
-        if example is None:
-            missing = [m for m in names if kinds[m] == LINEAR and m not in given]
-            raise PlanError(
-                f"tensor mode {mode!r}: gridtrain traces the model's data flow to pick each "
-                f"layer's split but has no example input; pass example_inputs= (or a "
-                f"train_dataloader) to gt.initialize, or give styles in parallel.tensor.plan "
-                f"for {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-            )
-        flow = trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()})
 
+def _styles(mode, n, kinds, given, flow, modules) -> tuple[dict[str, str], dict[str, str]]:
+    """Every tracked layer's style and where it came from, under ``mode``."""
+    names = list(kinds)
     if mode == "1d":
         fixed = {m: s for m, (s, _) in given.items()}
-        styles = infer_1d(kinds, fixed, flow, modules, n)
-        origin = {m: given[m][1] if m in given else styles[m][1] for m in names}
-        styles = {m: s for m, (s, _) in styles.items()}
+        inferred = infer_1d(kinds, fixed, flow, modules, n)
+        origin = {m: given[m][1] if m in given else inferred[m][1] for m in names}
+        styles = {m: s for m, (s, _) in inferred.items()}
         if flow is not None:
             _check_1d_flow(styles, kinds, flow)
-    elif mode in GRID_MODES:
-        styles, origin = _grid_styles(kinds, given, flow)
-    else:  # sequence: weights replicated, only dropout masks differ per rank
-        styles = {m: "replicate" for m in names}
-        origin = {m: "sequence: replicated" for m in names}
+        return styles, origin
+    if mode in GRID_MODES:
+        return _grid_styles(kinds, given, flow)
+    # sequence: weights replicated, only dropout masks differ per rank
+    return {m: "replicate" for m in names}, {m: "sequence: replicated" for m in names}
 
-    if flow is not None:
-        from gridtrain.parallel.tensor.base import linear_dims
 
-        plan.heads = {
-            m: (linear_dims(modules[m])[1], False)
-            for m in flow.order
-            if kinds.get(m) == LINEAR and m in flow.output_sources
-        }
-    orient = orientations(kinds, flow) if mode == "3d" else {}
-    for name in names:
+def _add_entries(plan: Plan, kinds, styles, origin, flow, modules) -> None:
+    """One ``PlanEntry`` per tracked layer, with the options its mode's layer takes."""
+    orient = orientations(kinds, flow) if plan.mode == "3d" else {}
+    for name, kind in kinds.items():
         options: dict[str, Any] = {}
-        kind, style = kinds[name], styles[name]
+        style = styles[name]
         if style == "packed_colwise":
             options["packed"] = _packed_blocks(name, modules[name])
-        if mode == "3d" and kind != DROPOUT:
+        if plan.mode == "3d" and kind != DROPOUT:
             options["orientation"] = orient.get(name, 0)
-        if kind == DROPOUT and mode == "1d":
+        if kind == DROPOUT and plan.mode == "1d":
             srcs = flow.sources.get(name, ()) if flow else ()
             options["sharded"] = any(styles.get(s) in COL_SHARDED for s in srcs)
         plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
-    _dry_run(plan, modules, ctx)
-    _resolve_ties(plan, model, modules, ctx)
-    plan.heads = {m: (v, plan[m].style == "vocab_parallel") for m, (v, _) in plan.heads.items()}
-    if mode in GRID_MODES:
-        _check_all_params_planned(plan, model, mode)
-    return plan
 
 
 def find_heads(model: nn.Module, example: Any) -> dict[str, tuple[int, bool]]:
     """Linears whose output is a model output: name -> (vocab, vocab-split logits).
 
-    From the plan's traced flow when there is one, else traced here (Linears only)."""
-    from gridtrain.parallel.tensor.base import linear_dims
-
+    Traced here (Linears only) on ``example``, else on an input built from the model's
+    entry layer."""
     kinds = {n: k for n, k in tracked_modules(model).items() if k == LINEAR}
     if example is None:
-        raise PlanError(
-            "chunked_loss needs to find the model's head: pass example_inputs= (or a "
-            "train_dataloader) to gt.initialize"
-        )
+        example = infer_example(model, "chunked_loss needs to find the model's head")
     flow = trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()})
     modules = dict(model.named_modules())
     return {m: (linear_dims(modules[m])[1], False) for m in flow.order if m in flow.output_sources}
@@ -173,8 +203,6 @@ def _check_kinds(given: dict[str, tuple[str, str]], kinds: dict[str, str]) -> No
 
 
 def _packed_blocks(name: str, module: nn.Module) -> int:
-    from gridtrain.parallel.tensor.base import linear_dims
-
     hinted = getattr(module, "gt_packed", None)
     if hinted:
         return int(hinted)
@@ -315,10 +343,12 @@ def _check_all_params_planned(plan: Plan, model: nn.Module, mode: str) -> None:
     }
     loose = [n for n, p in model.named_parameters() if id(p) not in covered]
     if loose:
+        more = f" ... and {len(loose) - 8} more" if len(loose) > 8 else ""
         raise PlanError(
             f"tensor mode {mode!r} blocks every activation over the grid, so every parameter "
             f"must belong to a layer gridtrain shards (Linear, Embedding, a norm, "
-            f"gt.nn.PatchEmbedding); these do not: {loose[:8]}"
+            f"gt.nn.PatchEmbedding); these do not: {', '.join(loose[:8])}{more}. "
+            f"{better_layout(model).capitalize()}"
         )
 
 

@@ -171,7 +171,9 @@ class PlanEntry:
 
 @dataclass
 class Plan:
-    """The plan of one model under one tensor mode (printable)."""
+    """The plan of one model under one layout (printable): every layer's style and shard
+    shapes under the tensor mode, the data / pipeline / ZeRO layout around it, and an
+    optional pipeline stage table (``stages``, anything printable)."""
 
     mode: str | None
     size: int
@@ -179,6 +181,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # Linears whose output is a model output: name -> (vocab, logits vocab-split)
     heads: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)  # data, pipeline, zero (see layout_of)
+    params: int = 0  # the dense model's parameters (a tied weight once)
+    params_sharded: int = 0  # of those, the ones held in shards (see coverage.count_sharded)
+    stages: Any = None  # the pipeline stage table, printed after the layers
 
     def __getitem__(self, name: str) -> PlanEntry:
         return self.entries[name]
@@ -186,8 +192,37 @@ class Plan:
     def styles(self) -> dict[str, str]:
         return {n: e.style for n, e in self.entries.items()}
 
+    @property
+    def sharded_fraction(self) -> float:
+        """The fraction of the dense model's parameters held in shards."""
+        return self.params_sharded / self.params if self.params else 0.0
+
     def __str__(self) -> str:
-        head = f"tensor plan: mode {self.mode!r}, size {self.size}, {len(self.entries)} layers"
+        lines = [self._layout_line()]
+        if self.mode is None:
+            lines.append(
+                "tensor plan: none (every rank of a data-parallel replica holds whole layers)"
+            )
+        else:
+            lines.append(
+                f"tensor plan: mode {self.mode!r}, size {self.size}, {len(self.entries)} layers; "
+                f"{self.sharded_fraction:.1%} of {self.params:,} parameters sharded"
+            )
+            lines += self._layer_rows()
+        if self.stages is not None:
+            lines.append(str(self.stages))
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    def _layout_line(self) -> str:
+        if not self.layout:
+            return f"layout: tensor {self.size} ({self.mode})"
+        zero = self.layout.get("zero") or "off"
+        return (
+            f"layout: data {self.layout['data']} x pipeline {self.layout['pipeline']} x tensor "
+            f"{self.size} ({self.mode or 'no tensor mode'}); ZeRO {zero}"
+        )
+
+    def _layer_rows(self) -> list[str]:
         rows = [("layer", "style", "from", "becomes", "shard (dense -> this rank)")]
         for e in self.entries.values():
             opts = " ".join(f"{k}={v}" for k, v in e.options.items())
@@ -195,11 +230,19 @@ class Plan:
             style = e.style + (f" [{opts}]" if opts else "")
             rows.append((e.name, style, e.origin, e.layer or "(kept)", shards))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [head] + [
+        return [
             "  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
             for r in rows
         ]
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def layout_of(ctx) -> dict[str, Any]:
+    """The data / pipeline sizes and the ZeRO stage of ``ctx``'s layout, for ``Plan.layout``."""
+    zero = getattr(ctx.config, "zero", None)
+    stage = None
+    if zero is not None:
+        stage = f"stage {zero.stage}" + (" with offload (Gemini)" if zero.offload else "")
+    return {"data": ctx.data_parallel_size, "pipeline": ctx.pipeline_parallel_size, "zero": stage}
 
 
 def _shape(shape: tuple[int, ...]) -> str:

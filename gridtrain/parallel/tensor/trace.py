@@ -10,7 +10,9 @@ compute) under a ``TorchFunctionMode`` that tags every tensor with its
 *sources*: the tracked layers whose outputs flowed into it through any chain of
 untracked operations (attention, activations, residual adds, reshapes).
 A tracked layer's output starts a fresh source set: ``{itself}`` for a Linear,
-empty for an embedding, its input's sources for a norm or dropout.
+empty for an embedding, its input's sources for a norm or dropout. The same run
+records the shapes reaching ``scaled_dot_product_attention`` (``AttentionRecorder``),
+which the sharded shape check (``local_shapes.py``) compares against.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -31,6 +34,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 FRESH, PASS, SELF, OPAQUE = "fresh", "pass", "self", "opaque"
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One ``scaled_dot_product_attention`` call: the innermost module that made it and the
+    shapes of its query and key (``[..., heads, seq, head_dim]``)."""
+
+    module: str
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+
+
 @dataclass
 class Flow:
     """The traced data flow between the tracked layers (names are module paths)."""
@@ -38,6 +51,7 @@ class Flow:
     order: list[str] = field(default_factory=list)  # tracked layers in first-call order
     sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> SELF-layers it reads
     output_sources: set[str] = field(default_factory=set)  # SELF-layers reaching the output
+    attention: list[AttentionCall] = field(default_factory=list)  # SDPA calls, in call order
 
     def consumers(self, name: str) -> list[str]:
         """Tracked layers that read ``name``'s output, in call order."""
@@ -116,19 +130,14 @@ def trace_flow(
 
         return hook
 
-    stubbed = []
     for name, how in tracked.items():
         module = modules[name]
         hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(module.register_forward_hook(post(name, how), with_kwargs=True))
-        if how == OPAQUE:
-            module.forward = _shape_stub
-            stubbed.append(module)
-    state = {k: v.to("meta") for k, v in _state(model)}
-    args, kwargs = _as_call(_to_meta(example))
+    opaque = {name: first_input_shape for name, how in tracked.items() if how == OPAQUE}
+    recorder = AttentionRecorder(model)
     try:
-        with _no_grad_meta(), tagger:
-            out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+        out = run_on_meta(model, example, opaque, (tagger, recorder))
         flow.output_sources = set(tagger.sources_of(out))
     except Exception as err:  # noqa: BLE001 - the model's own error, re-raised with advice
         raise RuntimeError(
@@ -139,12 +148,78 @@ def trace_flow(
     finally:
         for h in hooks:
             h.remove()
-        for module in stubbed:
-            del module.forward
+    flow.attention = recorder.calls
     return flow
 
 
-def _shape_stub(*args, **kwargs):
+def run_on_meta(
+    model: nn.Module,
+    example: Any,
+    forwards: dict[str, Callable] | None = None,
+    modes: tuple[TorchFunctionMode, ...] = (),
+) -> Any:
+    """``model``'s output for ``example`` (args tuple, kwargs dict or one tensor) computed on
+    the meta device: every parameter, buffer and input tensor replaced by a meta tensor, under
+    ``modes``; ``forwards`` stand in for the named submodules' ``forward`` during the run (their
+    hooks still fire). Raises the model's own error."""
+    modules = dict(model.named_modules())
+    for name, forward in (forwards or {}).items():
+        modules[name].forward = forward
+    state = {k: v.to("meta") for k, v in _state(model)}
+    args, kwargs = _as_call(_to_meta(example))
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_no_grad_meta())
+            for mode in modes:
+                stack.enter_context(mode)
+            return torch.func.functional_call(model, state, args, kwargs, strict=False)
+    finally:
+        for name in forwards or {}:
+            del modules[name].forward
+
+
+class AttentionRecorder(TorchFunctionMode):
+    """Records every ``scaled_dot_product_attention`` call (``AttentionCall``) made inside
+    ``model``, with the innermost module whose forward was running."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.calls, self._stack = model, [], [""]
+        self._hooks: list = []
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(self._push(name)))
+            self._hooks.append(module.register_forward_hook(self._pop, always_call=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        return super().__exit__(*exc)
+
+    def _push(self, name: str) -> Callable:
+        def hook(module, args):
+            self._stack.append(name)
+
+        return hook
+
+    def _pop(self, module, args, output) -> None:
+        if len(self._stack) > 1:
+            self._stack.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q = kwargs.get("query", args[0] if args else None)
+            k = kwargs.get("key", args[1] if len(args) > 1 else None)
+            if isinstance(q, Tensor) and isinstance(k, Tensor):
+                self.calls.append(AttentionCall(self._stack[-1], tuple(q.shape), tuple(k.shape)))
+        return func(*args, **kwargs)
+
+
+def first_input_shape(*args, **kwargs):
     """An opaque layer's output on meta: the shape of its first tensor input."""
     first = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
     return torch.empty_like(first)

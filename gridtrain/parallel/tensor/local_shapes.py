@@ -1,0 +1,177 @@
+"""The model's forward on this rank's activation shapes, on meta: the planner's last check.
+
+A plain model's own code sees the activations each rank holds: under 2d, 2.5d and
+3d every hidden dim arrives split over the grid, under 1d a column-parallel
+projection's output holds ``heads / n`` heads. Code that takes a shape from an
+activation (``head_dim = x.shape[-1] // heads``) then computes something else on
+each rank, silently; code that fixes the head count dies inside the first step.
+
+``check_local_shapes`` runs the user's forward once more on the meta device, each
+layer the plan replaces stood in by a shape-only function that returns what this
+rank's layer would (the same leading dims, the last dim this rank keeps; no
+collectives), on this rank's part of the batch (``split_batch``). It records what
+reaches ``scaled_dot_product_attention`` and requires each call's head size to
+equal the dense trace's (``Flow.attention``). A failing or differing forward gets a
+``PlanError`` naming the module: the head count the tensor size cannot split (in
+``gridtrain estimate``'s words), or how to take shapes from the model's configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.base import linear_dims
+from gridtrain.parallel.tensor.modes import split_batch
+from gridtrain.parallel.tensor.plan import (
+    COL_SHARDED,
+    DROPOUT,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    Plan,
+    PlanError,
+)
+from gridtrain.parallel.tensor.trace import (
+    AttentionCall,
+    AttentionRecorder,
+    Flow,
+    first_input_shape,
+    run_on_meta,
+)
+
+GATHERED = ("gather_output", "colwise_gather_output")  # heads whose logits come out whole
+FIX = (
+    "take shapes from the model's configuration, not from activations "
+    "(head_dim = hidden // heads, then view(batch, seq, -1, head_dim): -1 is this rank's heads)"
+)
+
+
+def head_split(mode: str | None, size: int, depth: int = 1) -> tuple[int, str]:
+    """How many ways ``mode`` splits attention heads (an activation's hidden dim), and by
+    which group, in ``gridtrain estimate``'s words."""
+    if mode == "1d":
+        return size, f"PARALLEL_1D ({size} ranks)"
+    if mode in ("2d", "2.5d"):
+        q = math.isqrt(size // depth)
+        return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
+    if mode == "3d":
+        d = round(size ** (1 / 3))
+        return d, f"the cube's hidden axis (d = {d})"
+    return 1, "no group"
+
+
+def local_width(mode: str, kind: str, style: str, width: int, split: int) -> int:
+    """The last dim of a replaced layer's output on this rank, ``width`` being the dense one."""
+    if mode == "1d":  # only column-parallel outputs stay split
+        split_out = kind == LINEAR and style in (*COL_SHARDED, "vocab_parallel")
+    else:  # 2d / 2.5d / 3d block every activation's hidden dim, except gathered logits
+        split_out = not (kind == LINEAR and style in GATHERED)
+    return width // split if split_out else width
+
+
+def check_local_shapes(
+    model: nn.Module, example: Any, plan: Plan, flow: Flow, ctx: ParallelContext
+) -> None:
+    """Raise ``PlanError`` when ``model``'s forward fails, or reaches attention with another
+    head size, on this rank's shapes under ``plan`` (module docstring)."""
+    if plan.mode not in ("1d", "2d", "2.5d", "3d"):
+        return
+    split, what = head_split(plan.mode, plan.size, ctx.config.parallel.tensor.depth)
+    local = _local_example(example, ctx)
+    if local is None:  # a batch the mode cannot split: the engine will say so at the step
+        return
+    recorder = AttentionRecorder(model)
+    try:
+        run_on_meta(model, local, _stand_ins(model, plan, split), (recorder,))
+    except Exception as err:  # noqa: BLE001 - the model's own error, explained
+        raise _heads_error(flow.attention, split, what) or PlanError(
+            f"tensor mode {plan.mode!r}: {type(model).__name__}'s forward fails on this rank's "
+            f"activations, whose hidden dims arrive split over {what} "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); {FIX}"
+        ) from None
+    if len(recorder.calls) != len(flow.attention):
+        return  # data-dependent control flow: the calls cannot be paired
+    for dense, here in zip(flow.attention, recorder.calls, strict=True):
+        if dense.q[-1:] != here.q[-1:]:
+            raise _heads_error(flow.attention, split, what) or PlanError(
+                f"'{here.module}' calls scaled_dot_product_attention with head size "
+                f"{here.q[-1]} on this rank under tensor mode {plan.mode!r}, {dense.q[-1]} in "
+                f"the dense model: its shapes come from activations, whose hidden dim arrives "
+                f"split over {what}; {FIX}"
+            )
+
+
+def _heads_error(calls: list[AttentionCall], split: int, what: str) -> PlanError | None:
+    """A head count (query or key/value) that ``split`` does not divide, if any."""
+    for call in calls:
+        for label, shape in (("heads", call.q), ("key/value heads", call.k)):
+            n = shape[-3] if len(shape) >= 3 else 1
+            if n % split:
+                return PlanError(
+                    f"'{call.module}': {n} attention {label} do not split over {what}: "
+                    f"{n} % {split} != 0 (choose a tensor size that divides the head count)"
+                )
+    return None
+
+
+def _local_example(example: Any, ctx: ParallelContext) -> Any:
+    """This rank's part of ``example`` on meta (rows repeated first where the batch does not
+    divide: only shapes matter here); None when a tensor cannot be split at all."""
+
+    def cut(t: Tensor) -> Tensor:
+        t = t.to("meta")
+        try:
+            return split_batch(t, ctx)
+        except ValueError:
+            if t.dim() == 0:
+                raise
+            rows = ctx.world_size(ParallelMode.TENSOR)  # a multiple of every mode's batch blocks
+            return split_batch(t.repeat(rows, *[1] * (t.dim() - 1)), ctx)
+
+    try:
+        return tree_map(lambda t: cut(t) if isinstance(t, Tensor) else t, example)
+    except ValueError:
+        return None
+
+
+def _stand_ins(model: nn.Module, plan: Plan, split: int) -> dict[str, Callable]:
+    """Module path -> shape-only forward, for every layer the plan replaces (or keeps opaque)."""
+    out: dict[str, Callable] = {}
+    for name, entry in plan.entries.items():
+        if entry.kind == OPAQUE or (entry.layer and entry.kind in (NORM, DROPOUT)):
+            out[name] = first_input_shape
+        elif entry.layer:  # a Linear, an embedding or a patch embedding
+            module = model.get_submodule(name)
+            width = local_width(plan.mode, entry.kind, entry.style, _out_width(module), split)
+            out[name] = _resized(module, entry.kind, width)
+    return out
+
+
+def _out_width(module: nn.Module) -> int:
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    if hasattr(module, "embed_size"):  # gt.nn.PatchEmbedding
+        return module.embed_size
+    return linear_dims(module)[1]
+
+
+def _resized(module: nn.Module, kind: str, width: int) -> Callable:
+    """A forward giving the dense layer's output shape with the last dim ``width``; the dense
+    forward runs (on meta) on a full-width input, as this rank's may arrive split."""
+    dense_forward = type(module).forward
+    in_features = linear_dims(module)[0] if kind == LINEAR else None
+
+    def forward(x: Tensor, *args, **kwargs) -> Tensor:
+        if in_features is not None:
+            x = x.new_empty(*x.shape[:-1], in_features)
+        y = dense_forward(module, x, *args, **kwargs)
+        return y.new_empty(*y.shape[:-1], width)
+
+    return forward
