@@ -74,16 +74,37 @@ class ZeroConfig(_Section):
     offload: bool = Field(
         False,
         description="keep optimizer state and fp32 masters in CPU memory and step there; at "
-        "stage 3 also parameters between uses (FSDP2 CPUOffloadPolicy): the Gemini row",
+        "stage 3 (Gemini) the device keeps only compute-dtype parameters, where they fit",
     )
     bucket_size_mb: PositiveFloat = Field(
         25.0, description="stages 1-2: size of one reduce-scatter / all-gather bucket"
+    )
+    device_param_mb: NonNegativeFloat | None = Field(
+        None,
+        description="stage 3 offload: MiB of compute-dtype parameters kept on the device, "
+        "chunk by chunk in forward order (the rest stream); None: 55% of the CUDA memory limit",
+    )
+    delayed_update: bool = Field(
+        False,
+        description="stage 3 offload: ZeRO-Offload's one-step delayed parameter update (the "
+        "host step overlaps the next forward and backward; gradients are one step stale)",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _int_is_stage(cls, data: Any) -> Any:
         return {"stage": data} if isinstance(data, int) and not isinstance(data, bool) else data
+
+    @model_validator(mode="after")
+    def _offload_keys(self) -> ZeroConfig:
+        gemini = self.stage == 3 and self.offload
+        for key in ("device_param_mb", "delayed_update"):
+            if getattr(self, key) not in (None, False) and not gemini:
+                raise ValueError(
+                    f"zero.{key} applies to stage 3 with offload=True (Gemini), got stage "
+                    f"{self.stage}, offload {self.offload}"
+                )
+        return self
 
 
 class _SwitchSection(_Section):

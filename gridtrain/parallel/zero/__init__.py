@@ -5,8 +5,10 @@
   of the window, every rank keeping its full gradients; rows all-gathered after the step.
 * stage 2 (``partitioned``): as 1, and each gradient is dropped once its bucket is
   reduce-scattered (during the last backward).
-* stage 3 (``fsdp``): FSDP2 ``fully_shard``, parameters sharded too; ``offload=True``
-  keeps sharded parameters, gradients and optimizer state on the CPU (Gemini).
+* stage 3 (``fsdp``): FSDP2 ``fully_shard``, parameters sharded too.
+* stage 3 with ``offload=True`` (``offload``, Gemini): fp32 masters, gradients and Adam
+  state in pinned host memory (1/n of the rows per rank), compute-dtype parameters on the
+  device where they fit (``device_param_mb``) and streamed chunk by chunk where not.
 
 ``partition`` says which rows a rank owns (the same at every stage, so checkpoints
 move between stages); ``memory`` measures what a rank holds.
@@ -24,12 +26,13 @@ from gridtrain.parallel.context import ParallelContext
 
 if TYPE_CHECKING:
     from gridtrain.parallel.zero.fsdp import FsdpZero
+    from gridtrain.parallel.zero.offload import OffloadZero
     from gridtrain.parallel.zero.partitioned import PartitionedZero
 
 
 def build_zero(
     model: nn.Module, optimizer: Optimizer, ctx: ParallelContext
-) -> PartitionedZero | FsdpZero | None:
+) -> PartitionedZero | FsdpZero | OffloadZero | None:
     """Apply the config's ``zero`` section to ``model`` and rebind ``optimizer`` (a torch
     optimizer, before mixed precision wraps it); None without one.
 
@@ -47,10 +50,14 @@ def build_zero(
             "zero does not combine with fp16 mode 'apex' (apex patches the optimizer it "
             "would shard); use AMP_TYPE.NAIVE, TORCH or BF16"
         )
+    if cfg.stage == 3 and cfg.offload:
+        from gridtrain.parallel.zero.offload import OffloadZero
+
+        return OffloadZero(model, optimizer, ctx, amp=amp, device_param_mb=cfg.device_param_mb)
     if cfg.stage == 3:
         from gridtrain.parallel.zero.fsdp import FsdpZero
 
-        return FsdpZero(model, optimizer, ctx, amp=amp, offload=cfg.offload)
+        return FsdpZero(model, optimizer, ctx, amp=amp)
     from gridtrain.parallel.zero.partitioned import PartitionedZero
 
     return PartitionedZero(

@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (and Gemini: stage 3 with offload) on FSDP2, ``torch.distributed.fsdp.fully_shard``.
+"""ZeRO stage 3 on FSDP2, ``torch.distributed.fsdp.fully_shard`` (with offload: ``offload.py``).
 
 Every parameter (a tensor-parallel layer's local shard, or a whole weight) becomes a
 DTensor sharded along dim 0 over a one-dimensional ``DeviceMesh`` built from its
@@ -13,8 +13,6 @@ average over another group (experts), and the root for the rest.
 Mixed precision maps onto FSDP2's ``MixedPrecisionPolicy``: naive fp16 keeps the
 sharded fp32 parameters as the masters and computes in fp16 (gradients reduced in
 fp32); bf16 gathers bf16; torch amp keeps fp32 parameters under autocast.
-``offload=True`` adds ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer
-state stay in CPU memory and the optimizer steps there (the Gemini row).
 
 Gradient accumulation and pipeline micro-batches reduce only in the window's last
 backward (``set_requires_gradient_sync``). The user's optimizer is rebound to the
@@ -31,10 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
-    OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
@@ -105,7 +101,6 @@ class FsdpZero:
         optimizer: Optimizer,
         ctx: ParallelContext,
         amp: AMP_TYPE | None = None,
-        offload: bool = False,
     ):
         self.ctx, self.model = ctx, model
         self._meshes: dict[ParallelMode, DeviceMesh] = {}
@@ -114,14 +109,13 @@ class FsdpZero:
             for buf in model.buffers():
                 if buf.is_floating_point():
                     buf.data = buf.data.half()
-        policy = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else None
         old = dict(model.named_parameters())
         managed: set[int] = set()
         for module in _expert_units(model, ctx):  # another group than the default: first
-            self._shard(module, mp, policy, managed)
+            self._shard(module, mp, managed)
         for module in reversed(units(model)):  # innermost first, as FSDP2 wants
-            self._shard(module, mp, policy, managed)
-        self._shard(model, mixed_precision(amp, root=True), policy, managed, root=True)
+            self._shard(module, mp, managed)
+        self._shard(model, mixed_precision(amp, root=True), managed, root=True)
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         new_of = {}
         for name, p in model.named_parameters():
@@ -141,10 +135,7 @@ class FsdpZero:
             if hasattr(m, "set_reduce_scatter_unused_params"):  # not in older torch
                 m.set_reduce_scatter_unused_params(True, recurse=False)
         logger.info(
-            "zero stage 3 (FSDP2): %d units, mixed precision %s, offload %s",
-            len(self.fsdp_modules),
-            amp,
-            offload,
+            "zero stage 3 (FSDP2): %d units, mixed precision %s", len(self.fsdp_modules), amp
         )
 
     def mesh(self, mode: ParallelMode) -> DeviceMesh:
@@ -158,7 +149,6 @@ class FsdpZero:
         self,
         module: nn.Module,
         mp: MixedPrecisionPolicy,
-        policy: OffloadPolicy | None,
         managed: set[int],
         root: bool = False,
     ) -> None:
@@ -172,10 +162,7 @@ class FsdpZero:
                 f"{sorted(m.name for m in modes)}; FSDP2 shards one module over one group, so "
                 "keep weights of another group (experts) in modules of their own"
             )
-        kwargs = {"mesh": self.mesh(modes.pop()), "mp_policy": mp, "reshard_after_forward": True}
-        if policy is not None:
-            kwargs["offload_policy"] = policy
-        fully_shard(module, **kwargs)
+        fully_shard(module, mesh=self.mesh(modes.pop()), mp_policy=mp, reshard_after_forward=True)
         # other entry points than forward (Experts.forward_grouped) gather and free alike
         for name in dir(type(module)):
             if name.startswith("forward_") and callable(getattr(module, name)):

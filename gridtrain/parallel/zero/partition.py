@@ -113,23 +113,3 @@ def gather_rows(t: Tensor, info: ZeroRows, ctx: ParallelContext) -> Tensor:
     out = t.new_empty((n * c, *t.shape[1:]))
     all_gather_single(out, send, group=ctx.group(info.mode))
     return out[: info.rows]
-
-
-def full_local(t: Tensor, ctx: ParallelContext) -> Tensor:
-    """This rank's whole tensor-parallel shard of ``t`` (collective when ``t`` holds rows)."""
-    if isinstance(t, DTensor):
-        return t.full_tensor()
-    info = get_zero_rows(t)
-    return t if info is None else gather_rows(t, info, ctx)
-
-
-@torch.no_grad()
-def copy_full_local(t: Tensor, full: Tensor, ctx: ParallelContext) -> None:
-    """Copy the whole tensor-parallel shard ``full`` into ``t``, keeping only its rows."""
-    if isinstance(t, DTensor):
-        mesh = t.device_mesh
-        lo, hi = owned_range(as_rows(full).shape[0], mesh.size(), mesh.get_local_rank())
-        local(t).copy_(as_rows(full)[lo:hi].view(local(t).shape))
-        return
-    info = get_zero_rows(t)
-    t.copy_(full if info is None else owned_like(full, info, ctx).view(t.shape))

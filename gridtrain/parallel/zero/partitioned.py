@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.dense_state import set_master
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import copy_tags, get_dp_mode, is_pipeline_shared
 from gridtrain.parallel.zero.partition import (
@@ -76,7 +77,7 @@ class RowShard:
         return flat.view(n, self.chunk, self.row_numel)
 
 
-def _scatter_rows(src: Tensor, dst: Tensor, s: RowShard, n: int) -> None:
+def rows_to_chunks(src: Tensor, dst: Tensor, s: RowShard) -> None:
     """Copy the rows of ``src`` (shape [rows, row]) into ``dst`` [n, chunk, row], chunk by chunk."""
     full, rem = divmod(s.rows, s.chunk) if s.chunk else (0, 0)
     if full:
@@ -85,7 +86,7 @@ def _scatter_rows(src: Tensor, dst: Tensor, s: RowShard, n: int) -> None:
         dst[full, :rem].copy_(src[full * s.chunk :])
 
 
-def _gather_rows(src: Tensor, dst: Tensor, s: RowShard) -> None:
+def chunks_to_rows(src: Tensor, dst: Tensor, s: RowShard) -> None:
     """The inverse: rows of ``src`` [n, chunk, row] into ``dst`` [rows, row]."""
     full, rem = divmod(s.rows, s.chunk) if s.chunk else (0, 0)
     if full:
@@ -139,7 +140,7 @@ class RowBucket:
             g = s.param.grad
             if g is not None:
                 dst = s.chunks(rank_major[:, off : off + s.padded], self.n)
-                _scatter_rows(g.reshape(s.rows, s.row_numel), dst, s, self.n)
+                rows_to_chunks(g.reshape(s.rows, s.row_numel), dst, s)
                 if self.free_grads:
                     s.param.grad = None
         send.div_(self.n)  # the sum of the quotients is the mean; keeps fp16 sums in range
@@ -193,7 +194,7 @@ class RowBucket:
         rank_major = self._gathered.view(self.n, self.segment)
         for s, off in zip(self.shards, self.offsets):
             src = s.chunks(rank_major[:, off : off + s.padded], self.n)
-            _gather_rows(src, as_rows(s.param.data).view(s.rows, s.row_numel), s)
+            chunks_to_rows(src, as_rows(s.param.data).view(s.rows, s.row_numel), s)
         self._gathered = self._gather_work = None
 
 
@@ -255,6 +256,7 @@ class PartitionedZero:
             pin = self.offload and torch.cuda.is_available()
             data = torch.empty(owned.shape, dtype=torch.float32, device=device, pin_memory=pin)
             master = nn.Parameter(data.copy_(owned), requires_grad=True)
+            set_master(p, master)  # dense state reads and loads the copy the optimizer steps
         else:
             master = nn.Parameter(owned, requires_grad=True)  # shares the model's storage
         copy_tags(p, master)

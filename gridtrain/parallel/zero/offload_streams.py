@@ -1,0 +1,113 @@
+"""Gemini's transfers: CUDA streams and events for the copies, and the host side of gradients.
+
+Host-to-device copies (fetches, uploads after the step) run on one side stream and
+device-to-host gradient copies on another, so both overlap the compute stream: a side
+stream first waits for the compute stream's queued work (which may still read a buffer
+being replaced), and the compute stream waits for a copy's event only where it uses the
+result. On the CPU (gloo CI) the same calls copy at once, so the logic is exercised.
+
+Gradients reach the host once per backward, chunk by chunk. The window's first one is
+copied straight into the chunk's pinned gradient segment; later ones (accumulation,
+pipeline micro-batches) land in a pinned staging buffer and a host thread adds them in,
+in fp32, as the dense model accumulates ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+
+class Streams:
+    """The side streams of one device (none on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    @contextlib.contextmanager
+    def h2d_after_compute(self) -> Iterator[None]:
+        """Run the body on the host-to-device stream, after the compute stream's queued work."""
+        if not self.cuda:
+            yield
+            return
+        self.h2d.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.h2d):
+            yield
+
+    def record_h2d(self):
+        return self.h2d.record_event() if self.cuda else None
+
+    def compute_waits(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def to_host(self, device_tensor: Tensor, host: Tensor):
+        """Copy ``device_tensor`` into pinned ``host`` once the compute stream has made it;
+        returns the copy's event (None on the CPU, where it is done)."""
+        if not self.cuda:
+            host.copy_(device_tensor)
+            return None
+        self.d2h.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.d2h):
+            host.copy_(device_tensor, non_blocking=True)
+            device_tensor.record_stream(self.d2h)  # the allocator keeps it until the copy ends
+            return self.d2h.record_event()
+
+
+class HostGrads:
+    """Lands each chunk's gradient segment in its pinned host buffer, summing within a window."""
+
+    def __init__(self, streams: Streams, staging_numel: int, dtype: torch.dtype, slots: int = 2):
+        self.streams = streams
+        pin = streams.cuda
+        self._staging = [
+            torch.empty(staging_numel, dtype=dtype, pin_memory=pin) for _ in range(slots)
+        ]
+        self._busy: list[Future | None] = [None] * slots
+        self._next = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gt-offload") if pin else None
+        self._pending: list = []  # events and futures to wait for before the step
+        self.started: set[int] = set()  # chunks whose segment holds this window's sum so far
+
+    def land(self, index: int, device_segment: Tensor, host_segment: Tensor) -> None:
+        """The window's first gradient of chunk ``index`` replaces its host segment's values;
+        a later one is added to them."""
+        if index not in self.started:
+            self.started.add(index)
+            self._pending.append(self.streams.to_host(device_segment, host_segment))
+            return
+        slot = self._next
+        self._next = (slot + 1) % len(self._staging)
+        if self._busy[slot] is not None:
+            self._busy[slot].result()  # its earlier sum is done: the buffer is free
+        staging = self._staging[slot][: host_segment.numel()]
+        event = self.streams.to_host(device_segment, staging)
+        if self._pool is None:
+            host_segment.add_(staging)
+            return
+        future = self._pool.submit(_add_after, event, host_segment, staging)
+        self._busy[slot] = future
+        self._pending.append(future)
+
+    def wait(self) -> None:
+        """Every copy and sum launched so far is done; the next window starts afresh."""
+        for item in self._pending:
+            if isinstance(item, Future):
+                item.result()
+            elif item is not None:
+                item.synchronize()
+        self._pending.clear()
+        self._busy = [None] * len(self._busy)
+        self.started.clear()
+
+
+def _add_after(event, host_segment: Tensor, staging: Tensor) -> None:
+    if event is not None:
+        event.synchronize()
+    host_segment.add_(staging)
