@@ -12,9 +12,9 @@ from gridtrain.engine import (
 )
 from gridtrain.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
 from gridtrain.parallel.context import ParallelContext, destroy, get_context
+from gridtrain.parallel.dense_state import full_state_dict, load_full_state_dict
 from gridtrain.parallel.materialize import lazy_init
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import full_state_dict, load_full_state_dict
 from gridtrain.third_party_logs import drop_known_notices
 
 __all__ = [

@@ -12,7 +12,6 @@ from helpers.models import TinyTransformer, tiny_batches
 from helpers.parity import dp_rows, seeded
 
 import gridtrain as gt
-from gridtrain.engine.checkpoint.state import full_model_state
 from gridtrain.parallel.zero.memory import optimizer_state_numel
 
 PM = gt.ParallelMode
@@ -82,7 +81,7 @@ def _train(ctx, batches, dtype=torch.float64, inject_at=None):
             scales.append(scaler.get_scale())
         else:
             scales.append(getattr(scaler, "scale", None))
-    full = full_model_state(engine.model, ctx)
+    full = gt.full_state_dict(engine.model)
     return losses, full, optimizer_state_numel(engine.optimizer), skipped, scales
 
 

@@ -12,7 +12,6 @@ from helpers.models import TinyTransformer, tiny_batches
 from helpers.parity import dp_rows, seeded
 
 import gridtrain as gt
-from gridtrain.engine.checkpoint.state import full_model_state
 
 PM = gt.ParallelMode
 BATCH, SEQ, VOCAB, HIDDEN = 8, 16, 64, 32
@@ -51,7 +50,7 @@ def _save_run(ctx, batches, out, sharded, dtype):
     gt.save_checkpoint(out / "ckpt", 2, engine.model, engine.optimizer, sharded=sharded)
     gt.save_checkpoint(out / "saved.pt", 2, engine.model, engine.optimizer)
     _steps(engine, ctx, batches[2:])
-    return full_model_state(engine.model, ctx)
+    return gt.full_state_dict(engine.model)
 
 
 def _load_run(ctx, batches, out, dtype):
@@ -60,7 +59,7 @@ def _load_run(ctx, batches, out, dtype):
     epoch = gt.load_checkpoint(out / "ckpt", engine.model, engine.optimizer)
     gt.save_checkpoint(out / "reloaded.pt", epoch, engine.model, engine.optimizer)
     _steps(engine, ctx, batches[2:])
-    return full_model_state(engine.model, ctx)
+    return gt.full_state_dict(engine.model)
 
 
 def _stored_elements(path) -> dict[str, tuple[int, int]]:

@@ -14,7 +14,6 @@ sys.path.insert(0, str(REPO))
 
 import gridtrain as gt  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
-from gridtrain.engine.checkpoint.state import full_model_state  # noqa: E402
 from gridtrain.parallel.zero.memory import optimizer_state_numel  # noqa: E402
 
 CFG = gpt_model.preset("tiny", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64)
@@ -40,7 +39,7 @@ def _train(ctx, batches):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, full_model_state(engine.model, ctx), optimizer_state_numel(engine.optimizer)
+    return losses, gt.full_state_dict(engine.model), optimizer_state_numel(engine.optimizer)
 
 
 # name: (world, tensor config, zero stage)

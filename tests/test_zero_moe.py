@@ -14,7 +14,6 @@ sys.path.insert(0, str(REPO))
 
 import gridtrain as gt  # noqa: E402
 from demos.moe.model import MoeCriterion, WideNet, WideNetConfig  # noqa: E402
-from gridtrain.engine.checkpoint.state import full_model_state  # noqa: E402
 from gridtrain.parallel.zero.memory import optimizer_state_numel  # noqa: E402
 from gridtrain.parallel.zero.partition import get_zero_rows  # noqa: E402
 
@@ -70,7 +69,7 @@ def _train(ctx, batches):
     )
     return (
         losses,
-        full_model_state(engine.model, ctx),
+        gt.full_state_dict(engine.model),
         optimizer_state_numel(engine.optimizer),
         modes,
     )

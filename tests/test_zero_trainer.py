@@ -8,6 +8,7 @@ import torch
 from helpers.harness import run_distributed
 from test_trainer import EPOCHS, GAMMA, GLOBAL_BATCH, N_TRAIN, TIMEOUT, _engine, _model, _records
 
+import gridtrain as gt
 from gridtrain.engine import (
     LoadCheckpointHook,
     LossHook,
@@ -15,7 +16,6 @@ from gridtrain.engine import (
     SaveCheckpointHook,
     Trainer,
 )
-from gridtrain.engine.checkpoint.state import full_model_state
 
 
 def _fit(ctx, ckpt_dir, resume_epoch):
@@ -30,7 +30,7 @@ def _fit(ctx, ckpt_dir, resume_epoch):
         hooks.append(LoadCheckpointHook(ckpt_dir, epoch=resume_epoch, suffix="_z"))
     trainer = Trainer(engine)
     trainer.fit(train_dl, epochs=EPOCHS, hooks=hooks)
-    return dict(state=full_model_state(engine.model, ctx), records=_records(trainer))
+    return dict(state=gt.full_state_dict(engine.model), records=_records(trainer))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

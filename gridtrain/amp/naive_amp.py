@@ -18,6 +18,7 @@ from gridtrain.amp.optimizer import AmpOptimizer
 from gridtrain.amp.scaler import DynamicLossScaler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.dense_state import set_master
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import copy_tags
 
@@ -72,6 +73,7 @@ class NaiveAmpOptimizer(AmpOptimizer):
             for p in group["params"]:
                 master = nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
                 copy_tags(p, master)  # masters are sharded, averaged and clipped as p is
+                set_master(p, master)  # dense state reads and loads the master
                 if p in optim.state:  # state loaded before initialize() moves to the master
                     optim.state[master] = optim.state.pop(p)
                 self._pairs.append((p, master))

@@ -6,9 +6,10 @@ A parallel layer tags each sharded parameter with a *shard spec*
 ``local_rank(mode)``; the next split cuts that chunk again. A split with
 ``parts > 1`` first views ``dim`` as that many packed blocks (fused q/k/v) and
 keeps the rank's chunk of each. An untagged tensor is replicated. From the
-specs alone, ``full_state_dict`` rebuilds dense tensors (all-gathers in reverse
-order) and ``load_full_state_dict`` cuts them again, so checkpoints move
-between any layouts and the model built with no parallelism.
+specs alone, ``full_tensor`` rebuilds dense tensors (all-gathers in reverse
+order) and ``shard_tensor`` cuts them again; ``dense_state`` builds the model's
+full state dict from them, so checkpoints move between any layouts and the
+model built with no parallelism.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.context import ParallelContext, get_context
+from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import (  # noqa: F401 - get/set re-exported for older imports
     ShardSpec,
@@ -30,6 +31,7 @@ from gridtrain.parallel.tags import (  # noqa: F401 - get/set re-exported for ol
     set_dp_mode,
     set_shard_spec,
 )
+from gridtrain.parallel.zero.partition import get_zero_rows
 
 
 def _check(full: Tensor, dim: int, n: int, parts: int, mode: ParallelMode) -> None:
@@ -73,8 +75,13 @@ def shard_shape(dense_shape, spec, ctx: ParallelContext) -> tuple[int, ...]:
 
 
 def dense_shape(shard: Tensor, ctx: ParallelContext, spec: ShardSpec | None = None) -> tuple:
-    """The dense shape of ``shard`` (its own spec unless ``spec`` is given)."""
+    """The dense shape of ``shard`` (its own spec unless ``spec`` is given). A tensor holding
+    only this rank's ZeRO rows (``zero.partition``) counts as its whole shard; a DTensor's
+    shape is that already."""
     shape = list(shard.shape)
+    rows = get_zero_rows(shard)
+    if rows is not None and not isinstance(shard, DTensor) and shape:
+        shape[0] = rows.rows
     for dim, mode, _ in get_shard_spec(shard) if spec is None else as_spec(spec):
         shape[dim] *= ctx.world_size(mode)
     return tuple(shape)
@@ -108,47 +115,3 @@ def dense_items(model: nn.Module) -> Iterable[tuple[str, Tensor]]:
     rename = getattr(model, "dense_key", None)
     for name, t in model.state_dict(keep_vars=True).items():
         yield (rename(name) if rename else name), t
-
-
-def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dict[str, Tensor]:
-    """Dense keys and shapes, every pipeline stage's, on every rank (CPU tensors).
-
-    Equal to ``state_dict()`` of the same model built with no parallelism.
-    """
-    ctx = ctx or get_context()
-    local = {
-        key: full_tensor(t, get_shard_spec(t), ctx).detach().cpu().clone()
-        for key, t in dense_items(model)
-    }
-    if ctx.world_size(ParallelMode.PIPELINE) == 1:
-        return local
-    stages: list[dict[str, Tensor] | None] = [None] * ctx.world_size(ParallelMode.PIPELINE)
-    dist.all_gather_object(stages, local, group=ctx.group(ParallelMode.PIPELINE))
-    merged: dict[str, Tensor] = {}
-    for stage in stages:
-        merged.update(stage)  # tied weights appear on two stages with equal values
-    return merged
-
-
-@torch.no_grad()
-def load_full_state_dict(
-    model: nn.Module, state_dict: dict[str, Tensor], ctx: ParallelContext | None = None
-) -> None:
-    """Load a dense state dict: each rank copies in its own shard of every tensor it holds.
-
-    Every shape is checked before anything is copied, so a mismatch leaves the model untouched.
-    """
-    ctx = ctx or get_context()
-    items = list(dense_items(model))
-    missing = [key for key, _ in items if key not in state_dict]
-    if missing:
-        raise KeyError(f"full state dict lacks {len(missing)} keys, e.g. {missing[:5]}")
-    for key, t in items:
-        want = dense_shape(t, ctx)
-        if tuple(state_dict[key].shape) != want:
-            raise ValueError(
-                f"'{key}': dense shape {tuple(state_dict[key].shape)} differs from the "
-                f"model's {want}"
-            )
-    for key, t in items:
-        t.copy_(shard_tensor(state_dict[key].to(t.device), get_shard_spec(t), ctx))

@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import gridtrain as gt
 from gridtrain.parallel import comm
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import load_full_state_dict, set_shard_spec
+from gridtrain.parallel.tags import set_shard_spec
 
 D_IN, HIDDEN, D_OUT = 8, 16, 4
 
@@ -53,7 +54,7 @@ def dense_state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def sharded_model(ctx, state) -> ShardedMLP:
     model = ShardedMLP(ctx)
-    load_full_state_dict(model, state, ctx)
+    gt.load_full_state_dict(model, state, ctx)
     return model
 
 

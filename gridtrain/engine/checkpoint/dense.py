@@ -1,6 +1,6 @@
 """The single-file dense format: the model and optimizer as the model built with no parallelism.
 
-Model tensors via ``sharding.full_state_dict``, optimizer state tensors rebuilt
+Model tensors via ``gt.full_state_dict`` (``dense_state``), optimizer state tensors rebuilt
 with their parameter's shard spec and keyed by the dense parameter name, plus
 the LR scheduler, the loss scaler, the epoch and ``extra``. A file written
 under one layout loads under any other. Global rank 0 writes (``files``:
@@ -17,37 +17,24 @@ from torch import Tensor, nn
 
 from gridtrain.engine.checkpoint import files
 from gridtrain.engine.checkpoint.state import (
-    full_local_like,
-    full_model_state,
     hyperparameters,
     inner,
     is_moment,
-    load_model_state,
-    masters,
     optimizer_params,
-    param_names,
-    sync_model_from_masters,
-    to_param_layout,
 )
-from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import (
-    dense_shape,
-    full_tensor,
-    get_shard_spec,
-    shard_tensor,
+from gridtrain.parallel.dense_state import (
+    dense_tensor,
+    full_local,
+    full_state_dict,
+    held_like,
+    load_full_state_dict,
+    merge_stages,
 )
-from gridtrain.parallel.zero.partition import copy_full_local, full_local
+from gridtrain.parallel.sharding import dense_shape, get_shard_spec, shard_tensor
+from gridtrain.parallel.zero.partition import get_zero_rows
 
 FORMAT = 1
-
-
-def _merge_stages(local: dict, ctx: ParallelContext) -> dict:
-    merged: dict = {}
-    for stage in comm.all_gather_object(local, ctx.group(ParallelMode.PIPELINE)):
-        merged.update(stage)
-    return merged
 
 
 def dense_optimizer_state(optimizer, model: nn.Module, ctx: ParallelContext) -> dict[str, Any]:
@@ -59,15 +46,15 @@ def dense_optimizer_state(optimizer, model: nn.Module, ctx: ParallelContext) -> 
         entry = {}
         for key, value in inner(optimizer).state.get(p, {}).items():
             if isinstance(value, Tensor):
-                if is_moment(value, p):  # ZeRO rows gathered first, then the TP shards
-                    value = full_local_like(value, p, ctx)
-                    value = full_tensor(value, get_shard_spec(model_param), ctx)
-                value = full_local(value, ctx).detach().cpu().clone()
+                if is_moment(value, p):  # held as its parameter is: ZeRO rows, TP shards
+                    spec = get_shard_spec(model_param)
+                    value = dense_tensor(value, spec, ctx, get_zero_rows(p))
+                else:
+                    value = full_local(value, ctx).detach().cpu().clone()
             entry[key] = value
         if entry:
             state[name] = entry
-    if ctx.pipeline_parallel_size > 1:
-        state, group_of = _merge_stages(state, ctx), _merge_stages(group_of, ctx)
+    state, group_of = merge_stages(state, ctx), merge_stages(group_of, ctx)
     return {"state": state, "group_of": group_of, "param_groups": hyperparameters(optimizer)}
 
 
@@ -84,7 +71,7 @@ def _load_optimizer_state(optimizer, model: nn.Module, saved: dict, ctx: Paralle
         if name in saved["state"]:
             dense = dense_shape(model_param, ctx)
             local["state"][index] = {
-                k: to_param_layout(shard_tensor(v, get_shard_spec(model_param), ctx), p, ctx)
+                k: held_like(shard_tensor(v, get_shard_spec(model_param), ctx), p, ctx)
                 if isinstance(v, Tensor) and v.dim() > 0 and tuple(v.shape) == dense
                 else v
                 for k, v in saved["state"][name].items()
@@ -94,18 +81,7 @@ def _load_optimizer_state(optimizer, model: nn.Module, saved: dict, ctx: Paralle
 
 def payload(model, optimizer, lr_scheduler, epoch: int, extra, ctx: ParallelContext) -> dict:
     """Collective: the whole checkpoint as one dict of dense tensors and plain values."""
-    model_state = full_model_state(model, ctx)
-    if masters(optimizer):
-        names = param_names(model)
-        fp32 = {  # ZeRO: the masters' rows gathered first
-            names[id(p)]: full_tensor(full_local(m, ctx).detach(), get_shard_spec(p), ctx)
-            .cpu()
-            .clone()
-            for p, m in masters(optimizer)
-        }
-        if ctx.pipeline_parallel_size > 1:
-            fp32 = _merge_stages(fp32, ctx)
-        model_state.update(fp32)
+    model_state = full_state_dict(model, ctx)  # fp32 masters where the optimizer has them
     scaler = getattr(optimizer, "scaler", None)
     return {
         "format": FORMAT,
@@ -131,15 +107,10 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
         raise ValueError(
             f"load_checkpoint: '{path}' is not a gridtrain checkpoint (format {FORMAT})"
         )
-    load_model_state(model, ckpt["model"], ctx)
+    load_full_state_dict(model, ckpt["model"], ctx)  # the masters too
     if optimizer is not None:
         if ckpt["optimizer"] is None:
             raise KeyError(f"load_checkpoint: '{path}' holds no optimizer state")
-        names = param_names(model)
-        for p, master in masters(optimizer):  # fp32 values; ZeRO: this rank's rows
-            full = shard_tensor(ckpt["model"][names[id(p)]], get_shard_spec(p), ctx)
-            copy_full_local(master, full.to(master.device, master.dtype), ctx)
-        sync_model_from_masters(optimizer, ctx)
         _load_optimizer_state(optimizer, model, ckpt["optimizer"], ctx)
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and ckpt["scaler"] is not None:

@@ -5,7 +5,8 @@ Under ZeRO a rank holds only some rows of its tensor-parallel shard
 (``parallel.zero.partition``): stages 1-2 in the optimizer's parameters and state,
 stage 3 in FSDP2's DTensor parameters too. ``chunk_view`` describes exactly those rows
 as chunks of the dense tensor, so the sharded format writes each rank's rows once and
-reads any layout's rows back; the dense format gathers them first (``full_model_state``).
+reads any layout's rows back; the dense format gathers them first
+(``parallel.dense_state``, the path of ``gt.full_state_dict``).
 """
 
 from __future__ import annotations
@@ -18,30 +19,17 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
-from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.dense_state import copy_full_local
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import (
-    dense_items,
-    dense_shape,
-    full_tensor,
-    get_shard_spec,
-    shard_tensor,
-    unwrap,
-)
+from gridtrain.parallel.sharding import unwrap
 from gridtrain.parallel.tags import ShardSpec, as_spec
 from gridtrain.parallel.zero.partition import (
     ZeroRows,
-    copy_full_local,
-    full_local,
-    gather_rows,
     get_owner,
     get_zero_rows,
     local,
-    owned_like,
-    owned_range,
 )
 
 logger = logging.getLogger("gridtrain")
@@ -109,37 +97,11 @@ def sync_model_from_masters(optimizer, ctx: ParallelContext) -> None:
         return
     if optimizer is None:
         return
-    with torch.no_grad():
-        for group in inner(optimizer).param_groups:
-            for q in group["params"]:
-                p, rows = get_owner(q), get_zero_rows(q)
-                if p is not None and q.dtype == p.dtype and q.data_ptr() != p.data_ptr():
-                    q.copy_(owned_like(p.data, rows, ctx))
-
-
-def full_local_like(value: Tensor, param: Tensor, ctx: ParallelContext) -> Tensor:
-    """A state tensor held the way ``param`` is, as its whole tensor-parallel shard
-    (collective over the data-parallel group under ZeRO)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    rows = get_zero_rows(param)
-    return value if rows is None else gather_rows(value, rows, ctx)
-
-
-def to_param_layout(value: Tensor, param: Tensor, ctx: ParallelContext) -> Tensor:
-    """A state tensor shaped like ``param``'s whole tensor-parallel shard, held the way
-    ``param`` is: its ZeRO rows (a DTensor of them at stage 3), or whole."""
-    rows = get_zero_rows(param)
-    if rows is None:
-        return value
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        lo, hi = owned_range(rows.rows, mesh.size(), mesh.get_local_rank())
-        mine = value[lo:hi].clone().to(local(param).device)
-        return DTensor.from_local(
-            mine, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return owned_like(value, rows, ctx).clone().to(param.device)
+    for group in inner(optimizer).param_groups:
+        for q in group["params"]:
+            p = get_owner(q)
+            if p is not None and q.dtype == p.dtype and q.data_ptr() != p.data_ptr():
+                copy_full_local(q, p.data, ctx)
 
 
 def hyperparameters(optimizer) -> list[dict[str, Any]]:
@@ -247,41 +209,6 @@ def chunk_view(
     view.local_offsets = tuple(c[1] for c in chunks)
     view.local_sizes = tuple(c[2] for c in chunks)
     return view
-
-
-# ---- whole model state, ZeRO-aware ------------------------------------------------------------
-def full_model_state(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor]:
-    """``gt.full_state_dict`` that also gathers ZeRO-3 (DTensor) parameters: dense keys and
-    shapes, every pipeline stage's, on every rank (CPU tensors). Collective."""
-    out = {
-        key: full_tensor(full_local(t, ctx), get_shard_spec(t), ctx).detach().cpu().clone()
-        for key, t in dense_items(model)
-    }
-    if ctx.world_size(ParallelMode.PIPELINE) > 1:
-        merged: dict[str, Tensor] = {}
-        for stage in comm.all_gather_object(out, ctx.group(ParallelMode.PIPELINE)):
-            merged.update(stage)  # tied weights appear on two stages with equal values
-        out = merged
-    return out
-
-
-@torch.no_grad()
-def load_model_state(model: nn.Module, state: dict[str, Tensor], ctx: ParallelContext) -> None:
-    """``gt.load_full_state_dict`` that also fills ZeRO-3 parameters (this rank's rows only).
-    Every shape is checked before anything is copied."""
-    items = list(dense_items(model))
-    missing = [key for key, _ in items if key not in state]
-    if missing:
-        raise KeyError(f"full state dict lacks {len(missing)} keys, e.g. {missing[:5]}")
-    for key, t in items:
-        want = dense_shape(t, ctx)
-        if tuple(state[key].shape) != want:
-            raise ValueError(
-                f"'{key}': dense shape {tuple(state[key].shape)} differs from the model's {want}"
-            )
-    for key, t in items:
-        full = shard_tensor(state[key].to(local(t).device), get_shard_spec(t), ctx)
-        copy_full_local(t, full, ctx)
 
 
 # ---- layout and RNG ----------------------------------------------------------------------------
