@@ -36,12 +36,18 @@ from gridtrain.launch import CONFIG_ENV
 
 EXAMPLES = """\
 examples:
-  gridtrain run --nproc_per_node 4 --config configs/tp_2d.py train.py --lr 0.1
-  gridtrain run --host node1,node2 --nproc_per_node 8 --config config.py train.py
-  gridtrain run --hostfile hosts.txt --exclude node3 --config config.py train.py
-  gridtrain run --nproc_per_node 8 --max-restarts 3 --config config.py train.py
+  gridtrain run --nproc_per_node 4 --config demos/gpt/configs/dp2_tp2.py demos/gpt/train.py
+  gridtrain run --nproc_per_node 2 --config demos/gpt/configs/tp1d_2.py \\
+      demos/gpt/train.py --steps 50 --lr 3e-3
+  gridtrain run --host node1,node2 --nproc_per_node 8 --config demos/gpt/configs/demo.py \\
+      demos/gpt/train.py
+  gridtrain run --hostfile hosts.txt --exclude node3 --nproc_per_node 8 \\
+      --config demos/gpt/configs/demo.py demos/gpt/train.py
+  gridtrain run --nproc_per_node 4 --max-restarts 3 --config demos/gpt/configs/dp2_tp2.py \\
+      demos/gpt/train.py --checkpoint ckpt --save-every 20 --resume auto
   gridtrain topo --config configs/tp_2d.py --world-size 16
   gridtrain topo --config configs/tp_2d.py --world-size 16 --rank 5
+(the configs and scripts named here ship with gridtrain: run these in its checkout)
 """
 
 RUN_DESCRIPTION = """\
