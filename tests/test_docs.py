@@ -153,9 +153,9 @@ def test_every_command_runs(item, defined, script_help):
     elif program == "make":
         makefile = (REPO / "Makefile").read_text()
         for word in cmd.argv[1:]:
-            if "=" in word and not cmd.synopsis or re.fullmatch(r"[A-Z_]+=.*", word):
+            if re.fullmatch(r"[A-Za-z_]\w*=.*", word):  # make's own VAR=value
                 variable = word.split("=")[0]
-                assert re.search(rf"^{variable}\s*[?:]?=", makefile, re.M), word
+                assert re.search(rf"^{variable}\s*[?:]?=", makefile, re.M), f"no variable {word}"
             else:
                 assert re.search(rf"^{re.escape(word)}:", makefile, re.M), f"no target {word}"
     else:
@@ -170,41 +170,48 @@ def _check_script(script: str, words: list[str], script_help) -> None:
 
 
 def _check_gridtrain(doc: Doc, cmd: Command, defined, script_help) -> None:
-    sub = cmd.argv[1]
-    options = DOCS[f"gridtrain {sub} --help"].text
-    parsed = _parse(cmd)
-    if parsed is None or (sub == "run" and parsed.config is None):  # a synopsis or a mention
-        words = cmd.argv[2:]
-        scripts = [
-            i for i, w in enumerate(words) if w.endswith(".py") and words[i - 1] != "--config"
-        ]
-        ours = words[: scripts[0]] if scripts and sub == "run" else words
-        _check_flags(ours, options, f"gridtrain {sub}")
-        script = (cmd.cwd / words[len(ours)]).resolve() if len(ours) < len(words) else None
-        if script is not None and script.is_file():
-            _check_script(str(script.relative_to(REPO)), words[len(ours) + 1 :], script_help)
-        return
-    config = _path(parsed.config, doc, cmd.cwd, defined) if parsed.config else None
-    if sub == "run":
-        script = _path(parsed.script, doc, cmd.cwd, defined)
-        hosts = parsed.host.split(",") if parsed.host else None
-        nodes = parsed.nnodes or (len(hosts) if hosts else None if parsed.hostfile else 1)
-        cfg = Config.from_file(config)
-        if nodes is not None:
-            cfg.check_run(parsed.nproc_per_node * nodes)
-        if script.resolve().is_relative_to(REPO):
-            _check_script(str(script.resolve().relative_to(REPO)), parsed.script_args, script_help)
-        else:
-            assert not parsed.script_args, f"{parsed.script} (defined in {doc.name}) takes none"
-        return
-    argv = list(cmd.argv[1:])
-    argv[argv.index("--config") + 1] = str(config)
-    code, out, err = _cli(argv)
-    assert code == 0, err
-    printed = {" ".join(line.split()) for line in out.splitlines()}
-    for line in cmd.shown:
-        if line.strip() not in ("...", "…"):
-            assert " ".join(line.split()) in printed, f"{doc.name} shows a line not printed: {line}"
+    sub, parsed = cmd.argv[1], _parse(cmd)
+    if parsed is None or (sub == "run" and parsed.config is None):
+        _check_synopsis(doc, cmd, script_help)
+    elif sub == "run":
+        _check_run(doc, cmd, parsed, defined, script_help)
+    else:  # topo, estimate: run them here, with the config the docs name
+        argv = list(cmd.argv[1:])
+        argv[argv.index("--config") + 1] = str(_path(parsed.config, doc, cmd.cwd, defined))
+        code, out, err = _cli(argv)
+        assert code == 0, err
+        printed = {" ".join(line.split()) for line in out.splitlines()}
+        for line in cmd.shown:
+            shown = " ".join(line.split())
+            assert shown in ("...", "…") or shown in printed, f"{doc.name} shows, unprinted: {line}"
+
+
+def _check_synopsis(doc: Doc, cmd: Command, script_help) -> None:
+    """A synopsis or a mention: its options exist, its placeholders match files, and the
+    options after a script are the script's."""
+    sub, words = cmd.argv[1], cmd.argv[2:]
+    scripts = [i for i, w in enumerate(words) if w.endswith(".py") and words[i - 1] != "--config"]
+    cut = scripts[0] if scripts and sub == "run" else len(words)
+    _check_flags(words[:cut], DOCS[f"gridtrain {sub} --help"].text, f"gridtrain {sub}")
+    for word in words:
+        if re.search(r"<\w+>", word) and "/" in word:
+            assert resolve(word, doc, None, cmd.cwd), f"no file matches {word}"
+    script = (cmd.cwd / words[cut]).resolve() if cut < len(words) else None
+    if script is not None and script.is_file():
+        _check_script(str(script.relative_to(REPO)), words[cut + 1 :], script_help)
+
+
+def _check_run(doc: Doc, cmd: Command, parsed, defined, script_help) -> None:
+    """The config loads and fits the command's world size; the script takes its options."""
+    config = Config.from_file(_path(parsed.config, doc, cmd.cwd, defined))
+    if parsed.nnodes or parsed.host or not parsed.hostfile:  # a host file's length is unknown
+        nodes = parsed.nnodes or (len(parsed.host.split(",")) if parsed.host else 1)
+        config.check_run(parsed.nproc_per_node * nodes)
+    script = _path(parsed.script, doc, cmd.cwd, defined).resolve()
+    if script.is_relative_to(REPO):
+        _check_script(str(script.relative_to(REPO)), parsed.script_args, script_help)
+    else:
+        assert not parsed.script_args, f"{parsed.script} (defined in {doc.name}) takes none"
 
 
 def test_every_doc_is_read():

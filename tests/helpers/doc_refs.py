@@ -4,7 +4,7 @@ A *document* is a markdown file (README.md, demos/*/README.md) or a plain-text h
 (``gridtrain --help`` and each sub-command's). The rules, so that nothing is whitelisted:
 
 * **Defined files.** A code block whose first line is ``# NAME`` or ``# config: NAME``
-  (NAME with a shipped extension) defines NAME in that document, with the block's lines up
+  (NAME a ``.py``/``.yaml`` file) defines NAME in that document, with the block's lines up
   to the first ``$ `` prompt as its text (the README's ``train.py``, ``1d.py``, ...).
 * **Paths.** In markdown: every token of an inline code span that ends in a shipped
   extension (``SHIPPED``), or that starts with a top-level folder of the repository, or
@@ -105,19 +105,15 @@ def _is_path_token(token: str, doc: Doc) -> bool:
 
 def _path_tokens(text: str, doc: Doc) -> list[str]:
     text = re.sub(r"\"[^\"]*\"|'[^']*'", " ", text)  # strings in code: the user's arguments
-    tokens = re.findall(r"[\w$~./<>{},*+-]+", text)
     out = []
-    for token in tokens:
+    for token in re.findall(r"[\w$~./<>{},*+-]+", text):
         token = token.rstrip(".,")
-        if "{" not in token:
-            parts = [t for t in token.split(",") if t]
-        else:
-            parts = [token]
+        parts = [token] if "{" in token else [t for t in token.split(",") if t]
         out += [t for t in parts if _is_path_token(t, doc)]
     return out
 
 
-def _command_start(words: list[str], doc: Doc) -> int | None:
+def _command_start(words: list[str]) -> int | None:
     """Index of the program in ``words`` (after VAR=value prefixes), if it is one we check."""
     i = 0
     while i < len(words) and re.match(r"^[A-Z_][A-Z0-9_]*=", words[i]):
@@ -132,15 +128,13 @@ def _command_start(words: list[str], doc: Doc) -> int | None:
     return i if "/" in word and word.endswith(".sh") and (REPO / word).is_file() else None
 
 
-def _add_command(doc: Doc, text: str, line: int, cwd: Path, shown=None) -> bool:
+def _add_command(doc: Doc, text: str, line: int, cwd: Path) -> bool:
     words = _split(text.strip())
-    if not words:
-        return False
-    start = _command_start(words, doc)
+    start = _command_start(words) if words else None
     if start is None:
         return False
     argv = words[start:]
-    doc.commands.append(Command(doc.name, line, argv, cwd, is_synopsis(argv), shown or []))
+    doc.commands.append(Command(doc.name, line, argv, cwd, is_synopsis(argv)))
     return True
 
 
@@ -188,7 +182,7 @@ def _scan_paragraph(doc: Doc, text: str, first_line: int) -> None:
         if span.lstrip().startswith("-"):
             continue  # an option and its value: the user's
         words = _split(span)
-        if words and _command_start(words, doc) is not None:
+        if words and _command_start(words) is not None:
             _add_command(doc, span, line, REPO)
             continue
         for token in _path_tokens(span, doc):
