@@ -9,18 +9,25 @@ dead processes are removed (or finished) by the next save.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
 import subprocess
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.harness import run_distributed
 
-from gridtrain.engine.checkpoint import files, load_checkpoint, save_checkpoint
+from gridtrain.engine.checkpoint import (
+    CheckpointTargetError,
+    files,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 TIMEOUT = 300
 
@@ -70,15 +77,31 @@ def test_malicious_dense_files_are_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "PWNED"
     plain = tmp_path / "plain_pickle.pt"
     plain.write_bytes(pickle.dumps({"format": 1, "model": Evil(marker)}))
+    kind, message = run_distributed(_try_load, 1, str(plain), timeout=TIMEOUT)[0]
+    assert kind == "CorruptCheckpointError", message  # not even torch's zip: never unpickled
+    assert str(plain) in message and "not a complete gridtrain checkpoint" in message, message
+    # torch's zip without gridtrain's seal (as files from before the seal): unpickled, refused
     zipped = tmp_path / "torch_save.pt"
     torch.save({"format": 1, "epoch": 1, "model": {"w": Evil(marker)}}, zipped)
-    for path in (plain, zipped):
-        kind, message = run_distributed(_try_load, 1, str(path), timeout=TIMEOUT)[0]
-        assert kind == "UnsafeCheckpointError", message
-        assert str(path) in message and "nothing was executed" in message
-        assert "Refused:" in message and "nsupported" in message, "says what it refused"
-        assert not marker.exists(), "the payload ran"
+    kind, message = run_distributed(_try_load, 1, str(zipped), timeout=TIMEOUT)[0]
+    assert kind == "UnsafeCheckpointError", message
+    assert str(zipped) in message and "nothing was executed" in message
+    assert "Refused:" in message and "nsupported" in message, "says what it refused"
     assert "posix.system" in message or "os.system" in message, message  # the zip names it
+    assert not marker.exists(), "the payload ran"
+
+
+def _forge_marker(directory: Path) -> None:
+    """What an attacker who rewrote a file would do next: list its new size and CRC-32 in the
+    completion marker, and give the marker a matching CRC line (CRCs catch damage, not
+    forgery: the loader itself must refuse the file)."""
+    path = directory / files.MARKER
+    marker = json.loads(path.read_bytes().split(b"\n")[0])
+    for name in marker["files"]:
+        data = (directory / name).read_bytes()
+        marker["files"][name] = [len(data), zlib.crc32(data)]
+    line = json.dumps(marker, sort_keys=True)
+    path.write_text(f"{line}\ncrc32 {zlib.crc32(line.encode()):08x}\n")
 
 
 def test_malicious_sharded_checkpoints_are_refused_and_nothing_runs(tmp_path):
@@ -90,6 +113,9 @@ def test_malicious_sharded_checkpoints_are_refused_and_nothing_runs(tmp_path):
     bad_meta = tmp_path / "bad_metadata"
     shutil.copytree(good, bad_meta)
     (bad_meta / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
+    kind, message = run_distributed(_try_load, 1, str(bad_meta), timeout=TIMEOUT)[0]
+    assert kind == "CorruptCheckpointError" and ".metadata" in message, "its CRC-32 differs"
+    _forge_marker(bad_meta)
     kind, message = run_distributed(_try_load, 1, str(bad_meta), timeout=TIMEOUT)[0]
     assert kind == "UnsafeCheckpointError" and str(bad_meta) in message, message
     # a plain value (extra) holding an object: refused when read, naming the key and the path
@@ -130,12 +156,15 @@ def test_links_at_the_target_or_a_temporary_name_are_never_written_through(tmp_p
     stale_link.symlink_to(victim_dir)
 
     files.clean_stale(ckpt_dir)
-    files.atomic_torch_save({"epoch": 3}, target)
+    with pytest.raises(CheckpointTargetError, match="is a symbolic link"):
+        files.atomic_torch_save({"epoch": 3}, target)  # a link is not a checkpoint of ours
+    files.atomic_torch_save({"epoch": 3}, ckpt_dir / "other.pt")
 
     assert victim.read_text() == "precious"
     assert (victim_dir / "data").read_text() == "precious too", "cleaning followed the link"
     assert not os.path.lexists(stale_link), "the link itself was removed"
-    assert not target.is_symlink() and torch.load(target)["epoch"] == 3, "the link was replaced"
+    assert target.is_symlink(), "the link was left as it was"
+    assert torch.load(ckpt_dir / "other.pt", weights_only=True)["epoch"] == 3
 
 
 def test_temporaries_are_created_exclusively(tmp_path, monkeypatch):
@@ -212,3 +241,31 @@ def test_replacing_a_directory_leaves_only_the_new_one(tmp_path, monkeypatch, ex
     files.replace(new, tmp_path / "ckpt")
     assert os.listdir(tmp_path) == ["ckpt"]
     assert (tmp_path / "ckpt" / "tag").read_text() == "new"
+
+
+class Call:
+    """Pickles as ``fn(*args)``: a pickle built only from names the loader may allow."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+    def __call__(self, *args):  # pickle wants a callable; only its unpickled form is called
+        raise AssertionError("never called here")
+
+
+def test_metadata_built_from_allowed_names_cannot_call_a_method(tmp_path):
+    """Issue 28 item 1: getattr(PosixPath, "write_text")(PosixPath(x), ...) wrote any file."""
+    good = tmp_path / "good"
+    run_distributed(_save, 1, str(good), True, timeout=TIMEOUT)
+    written = tmp_path / "written.pth"
+    write = Call(getattr, Path, "write_text")
+    payload = (Call(write, Call(Path, str(written)), "import os"),)
+    (good / ".metadata").write_bytes(pickle.dumps(payload, protocol=4))
+    _forge_marker(good)
+    kind, message = run_distributed(_try_load, 1, str(good), timeout=TIMEOUT)[0]
+    assert not written.exists(), "the pickle wrote a file"
+    assert kind == "UnsafeCheckpointError" and str(good) in message, message
+    assert "getattr" in message, message

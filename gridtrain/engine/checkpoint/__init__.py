@@ -5,9 +5,10 @@ state and global rank 0 writes one file (``dense``); ``sharded=True`` has every
 rank write only its own shards into a directory through
 ``torch.distributed.checkpoint`` (``sharded``), optionally in the background
 (``async_save=True``). ``load_checkpoint`` reads either (a file is dense, a
-directory sharded) into any layout. Both become visible only when complete and
-load nothing but tensors and plain values (``files``). ``latest_checkpoint``
-finds the newest complete one in a directory.
+directory sharded) into any layout. Both become visible only when complete, replace
+only a checkpoint of ours (``files``), carry CRC-32s that make any damaged byte an
+error (``integrity``) and load nothing but tensors and plain values (``files``,
+``dcp_metadata``). ``latest_checkpoint`` finds the newest complete one in a directory.
 """
 
 from __future__ import annotations
@@ -17,23 +18,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gridtrain.engine.checkpoint import dense as dense_format
-from gridtrain.engine.checkpoint import files, writer
+from gridtrain.engine.checkpoint import files, integrity, writer
 from gridtrain.engine.checkpoint import sharded as sharded_format
-from gridtrain.engine.checkpoint.files import UnsafeCheckpointError
-from gridtrain.engine.checkpoint.writer import CheckpointFuture, wait_pending
-from gridtrain.parallel import comm
+from gridtrain.engine.checkpoint.errors import (
+    CheckpointError,
+    CheckpointTargetError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+from gridtrain.engine.checkpoint.writer import CheckpointFuture, on_rank0, wait_pending
 from gridtrain.parallel.context import ParallelContext, get_context
-from gridtrain.parallel.mode import ParallelMode
-
-
-def _agree(ctx: ParallelContext, failed: bool) -> bool:
-    """Barrier over GLOBAL that also tells every rank whether any rank failed."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=ctx.device)
-    comm.all_reduce_(flag, ctx.group(ParallelMode.GLOBAL))
-    return flag.item() > 0
 
 
 def save_checkpoint(
@@ -58,6 +53,8 @@ def save_checkpoint(
     :class:`CheckpointFuture`; the checkpoint appears at ``path`` when complete.
     ``extra`` is a dict of plain values (numbers, strings, lists, dicts,
     tensors), e.g. a data-loader position; ``load_checkpoint(extra=d)`` fills ``d``.
+    A ``path`` that exists and is not a checkpoint of ours (nor an empty directory) is
+    refused with :class:`CheckpointTargetError` before anything is written.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"save_checkpoint: path must be a str or os.PathLike, got {path!r}")
@@ -73,17 +70,9 @@ def save_checkpoint(
         return future if async_save else None
 
     wait_pending()
+    on_rank0(lambda: files.check_target(path), ctx)  # before gathering anything
     payload = dense_format.payload(model, optimizer, lr_scheduler, epoch, dict(extra or {}), ctx)
-    error = None
-    if ctx.global_rank == 0:
-        try:
-            dense_format.write(path, payload)
-        except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
-            error = err
-    if _agree(ctx, error is not None):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"save_checkpoint: rank 0 failed to write {path}")
+    on_rank0(lambda: dense_format.write(path, payload), ctx)
     return None
 
 
@@ -104,7 +93,9 @@ def load_checkpoint(
     rebuilt from the checkpoint, so it need not have stepped. RNG states come
     back when the layout is the one saved. ``extra``: a dict that receives the
     saved ``extra``. Files holding anything but tensors and plain values are
-    refused (:class:`UnsafeCheckpointError`), before anything runs.
+    refused (:class:`UnsafeCheckpointError`), before anything runs; files whose
+    bytes are not the ones written (truncated, altered) are
+    :class:`CorruptCheckpointError`. Both are :class:`CheckpointError`.
     """
     ctx = ctx or get_context()
     path = Path(path)
@@ -113,6 +104,7 @@ def load_checkpoint(
         return sharded_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
     if not path.is_file():
         raise FileNotFoundError(f"load_checkpoint: no checkpoint at '{path}'")
+    integrity.verify_dense(path, f"load_checkpoint: '{path}'")
     return dense_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
 
 
@@ -128,7 +120,10 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 
 __all__ = [
+    "CheckpointError",
     "CheckpointFuture",
+    "CheckpointTargetError",
+    "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "latest_checkpoint",
     "load_checkpoint",

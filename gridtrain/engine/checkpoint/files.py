@@ -2,21 +2,25 @@
 
 Every checkpoint is written under a hidden temporary name in the target's own
 directory and renamed over the target once complete, so a reader sees the old
-checkpoint or the new one, never a partial one. The temporary name says who
-made it (``.NAME.tmp-gt.PID@HOST.RANDOM``): the next save in that directory
-removes those whose process is gone (same host) or that are older than
-``STALE_S`` (another host), and finishes a replacement that a crash cut between
-its two renames. Temporary files are created with ``O_EXCL`` (``tempfile``),
-so a planted file or symbolic link is never opened, and no link is followed
-when cleaning up: a link is unlinked itself.
+checkpoint or the new one, never a partial one. A save replaces only a checkpoint
+of ours (a sealed dense file, a directory with the completion marker) or an empty
+directory; anything else at the target is refused before anything is written, and
+checked again, atomically, as it is swapped out. The temporary name says who made
+it (``.NAME.tmp-gt.PID@HOST.RANDOM``): the next save in that directory removes
+those whose process is gone (same host) or that are older than ``STALE_S``
+(another host), and finishes a replacement that a crash cut between its two
+renames. Temporary files are created with ``O_EXCL`` (``tempfile``), so a planted
+file or link is never opened, and clean-up never follows a link: entries are
+examined with ``lstat`` and opened with ``O_NOFOLLOW``, and a link is unlinked itself.
 
 Loading never runs code from a file: tensors and plain Python values only
-(``torch.load(weights_only=True)`` for pickles inside checkpoints, and an
-allow-list unpickler for DCP's ``.metadata``).
+(``torch.load(weights_only=True)`` for pickles inside checkpoints; ``dcp_metadata``
+for DCP's ``.metadata``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import io
@@ -29,21 +33,25 @@ import socket
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from gridtrain.engine.checkpoint import integrity
+from gridtrain.engine.checkpoint.errors import (
+    CheckpointError,
+    CheckpointTargetError,
+    UnsafeCheckpointError,
+)
 
 logger = logging.getLogger("gridtrain")
 
 MARKER = "gridtrain_checkpoint.json"  # written last into a sharded checkpoint's directory
 STALE_S = 3600.0  # a temporary of another host counts as abandoned after this long
 _TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<kind>tmp|old)-gt\.(?P<pid>\d+)@(?P<host>[\w-]+)\.\w+$")
-ZIP_MAGIC = b"PK\x03\x04"
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint holds something other than tensors and plain values (it could run code)."""
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
 def _host() -> str:
@@ -81,47 +89,141 @@ def remove_entry(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _open_dir(name: str | os.PathLike, dir_fd: int | None = None) -> Iterator[int | None]:
+    """A descriptor of directory ``name`` opened without following a link; None if it is not
+    a directory (a link to one included)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _complete_at(name: str | os.PathLike, dir_fd: int | None = None) -> bool:
+    with _open_dir(name, dir_fd) as fd:
+        if fd is None:
+            return False
+        try:
+            return stat.S_ISREG(os.stat(MARKER, dir_fd=fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+
+def is_complete_dir(path: Path) -> bool:
+    """A directory (not a link) holding a sharded checkpoint's completion marker."""
+    return _complete_at(path)
+
+
+def is_dense_file(path: Path) -> bool:
+    """A regular file (not a link) sealed as a gridtrain dense checkpoint, or one from before
+    the seal (a torch zip whose pickle is our payload: checked without running code)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    kind = integrity.dense_seal(path)
+    if kind != "legacy":
+        return kind == "sealed"
+    try:  # mmap: the tensors are not read
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - whatever it is, it is not ours
+        return False
+    return isinstance(ckpt, dict) and ckpt.get("format") == 1 and "epoch" in ckpt
+
+
+def _ours(path: Path) -> bool:
+    """What a save may replace: a checkpoint of ours or an empty directory (nothing is lost)."""
+    if is_complete_dir(path) or is_dense_file(path):
+        return True
+    with _open_dir(path) as fd:
+        return fd is not None and not os.listdir(fd)
+
+
+def check_target(path: Path) -> None:
+    """Raise ``CheckpointTargetError`` (naming ``path``) if something that is not a checkpoint
+    of ours is there: a save would delete it."""
+    if os.path.lexists(path) and not _ours(path):
+        if os.path.islink(path):
+            what = "a symbolic link"
+        else:
+            what = "a directory" if os.path.isdir(path) else "a file"
+        raise CheckpointTargetError(
+            f"save_checkpoint: '{path}' is {what} that is not a gridtrain checkpoint; a save "
+            "replaces only a checkpoint it wrote (or an empty directory), so nothing was "
+            "written. Choose another path or remove it yourself"
+        )
+
+
 # ---- atomic replacement -------------------------------------------------------------------
-_RENAME_EXCHANGE = 2
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 _AT_FDCWD = -100
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directory entries atomically (Linux renameat2); False where unsupported."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2 (atomic: NOREPLACE fails if ``b`` exists, EXCHANGE swaps ``a`` and
+    ``b``); False where the system lacks it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
         return False
-    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags)
     if rc == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
-    raise OSError(err, f"renameat2({a}, {b}): {os.strerror(err)}")
+    raise OSError(err, f"renameat2({a}, {b}): {os.strerror(err)}", str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _put_new(tmp: Path, path: Path) -> bool:
+    """Rename ``tmp`` to ``path`` only while nothing is there; False if something is."""
+    try:
+        if _renameat2(tmp, path, _RENAME_NOREPLACE):
+            return True
+    except FileExistsError:
+        return False
+    if os.path.lexists(path):  # no renameat2: check, then rename (a narrow window)
+        return False
+    os.rename(tmp, path)
+    return True
 
 
 def replace(tmp: Path, path: Path) -> None:
-    """Put the finished ``tmp`` (file or directory) at ``path`` atomically, whatever was there.
+    """Put the finished ``tmp`` (file or directory) at ``path`` atomically.
 
-    A file or link at ``path`` is replaced by one ``rename``. An existing directory is
-    swapped with ``tmp`` by ``renameat2(RENAME_EXCHANGE)`` and then deleted; where the
-    file system cannot exchange, it is first renamed aside (``.NAME.old-gt...``): a
-    crash between the two renames leaves both complete, and the next save puts one back.
+    Nothing at ``path``: one rename. A checkpoint of ours there: swapped with ``tmp`` by
+    ``renameat2(RENAME_EXCHANGE)``, checked again (a swap that brought back anything else is
+    undone, and ``CheckpointTargetError`` raised), then deleted. Where the file system cannot
+    exchange, the old one is first renamed aside (``.NAME.old-gt...``): a crash between the
+    two renames leaves both complete, and the next save puts one back.
     """
-    if not (os.path.lexists(path) and stat.S_ISDIR(os.lstat(path).st_mode)):
-        os.replace(tmp, path)  # over a file or a link: replaces the entry, follows nothing
-    elif _exchange(tmp, path):
-        remove_entry(tmp)  # tmp now names the previous checkpoint
-    else:
-        aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=temp_prefix(path, "old")))
-        os.rename(path, aside / "ckpt")
-        os.rename(tmp, path)
-        remove_entry(aside)
+    if not _put_new(tmp, path):
+        check_target(path)
+        if _exchange(tmp, path):
+            if not _ours(tmp):  # tmp now names what was at path: it changed since the check
+                _exchange(tmp, path)
+                check_target(path)
+            remove_entry(tmp)
+        else:
+            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=temp_prefix(path, "old")))
+            os.rename(path, aside / "ckpt")
+            os.rename(tmp, path)
+            remove_entry(aside)
     fsync_dir(path.parent)
 
 
+# ---- stale temporaries --------------------------------------------------------------------
 def _stale(match: re.Match, entry: os.DirEntry) -> bool:
     if match["host"] == _host():
         pid = int(match["pid"])
@@ -140,55 +242,77 @@ def _stale(match: re.Match, entry: os.DirEntry) -> bool:
         return False
 
 
-def is_complete_dir(path: Path) -> bool:
-    """A directory (not a link) holding a sharded checkpoint's completion marker."""
+def _restorable(name: str, dir_fd: int, path: Path) -> bool:
+    """A complete checkpoint at ``name`` (in ``dir_fd``): a marked directory, or a sealed
+    dense file whose CRC-32 matches (reading it through ``path`` moves nothing)."""
+    if _complete_at(name, dir_fd):
+        return True
     try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             return False
-        return stat.S_ISREG(os.lstat(path / MARKER).st_mode)
-    except OSError:
+        return integrity.verify_dense(path, str(path))
+    except (OSError, CheckpointError):
         return False
+
+
+def _restore(entry: os.DirEntry, kind: str, target: str, directory: Path, dir_fd: int) -> bool:
+    """Rename the complete checkpoint in a stale temporary to its missing ``target``; every
+    step relative to opened directories, so no link on the way is followed."""
+    here = directory / entry.name
+    if entry.is_symlink() or os.path.lexists(directory / target):
+        return False
+    if kind == "old":  # the previous checkpoint, put aside
+        with _open_dir(entry.name, dir_fd) as fd:
+            if fd is not None and _restorable("ckpt", fd, here / "ckpt"):
+                os.rename("ckpt", target, src_dir_fd=fd, dst_dir_fd=dir_fd)
+                return True
+        return False
+    if _restorable(entry.name, dir_fd, here):  # finished, never renamed
+        os.rename(entry.name, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return True
+    return False
 
 
 def clean_stale(directory: Path) -> list[str]:
     """Remove abandoned temporaries of ours in ``directory``; returns the names handled.
 
     A complete temporary whose target is missing (a crash between the renames of
-    ``replace``) is renamed into place instead of deleted.
+    ``replace``) is renamed into place instead of deleted. A link is only unlinked.
     """
     handled = []
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return handled
-    # a finished tmp is newer than an old copy put aside for the same target: handle it first
-    entries.sort(key=lambda e: ".tmp-gt." not in e.name)
-    for entry in entries:
-        match = _TEMP.match(entry.name)
-        if match is None or not _stale(match, entry):
-            continue
-        target = directory / match["target"]
-        found = Path(entry.path)
-        if match["kind"] == "old" and is_complete_dir(found / "ckpt"):
-            found = found / "ckpt"
-        if not os.path.lexists(target) and is_complete_dir(found):
-            os.rename(found, target)
-            logger.warning(
-                "checkpoint %s restored from an interrupted save (%s)", target, entry.name
-            )
-        remove_entry(Path(entry.path))
-        handled.append(entry.name)
+    with _open_dir(directory) as dir_fd:
+        if dir_fd is None:
+            return handled
+        entries = list(os.scandir(dir_fd))
+        # a finished tmp is newer than an old copy put aside for the same target: handle it first
+        entries.sort(key=lambda e: ".tmp-gt." not in e.name)
+        for entry in entries:
+            match = _TEMP.match(entry.name)
+            if match is None or not _stale(match, entry):
+                continue
+            if _restore(entry, match["kind"], match["target"], directory, dir_fd):
+                logger.warning(
+                    "checkpoint %s restored from an interrupted save (%s)",
+                    directory / match["target"],
+                    entry.name,
+                )
+            remove_entry(directory / entry.name)
+            handled.append(entry.name)
     if handled:
         fsync_dir(directory)
     return handled
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a fresh ``O_EXCL`` temporary beside ``path``, fsync, rename over it."""
+    """``torch.save`` to a fresh ``O_EXCL`` temporary beside ``path``, sealed with its CRC-32
+    (``integrity``), fsync, rename over it."""
+    check_target(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            sealing = integrity.SealingWriter(f)
+            torch.save(obj, sealing)
+            sealing.seal()
             f.flush()
             os.fsync(f.fileno())
         replace(Path(tmp), path)
@@ -220,69 +344,6 @@ def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str) -> Any:
             f"refusing to load {what}: it holds objects other than tensors and plain Python "
             f"values, which could run code when unpickled; nothing was executed. {reason}".strip()
         ) from None
-
-
-# DCP's .metadata is a plain pickle of these dataclasses; nothing else may be named in it
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
-    "torch.distributed.checkpoint.planner": {"WriteItemType", "LoadItemType"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size", "strided", "sparse_coo", "_mkldnn"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "Path"},
-    "collections": {"OrderedDict"},
-    "copyreg": {"_reconstructor"},
-    "builtins": {"object", "set", "frozenset", "dict", "list", "tuple", "getattr"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()) or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            if module == "builtins" and name == "getattr":
-                return _safe_getattr
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"unsupported global: {module}.{name}")
-
-
-def _safe_getattr(obj: Any, name: str) -> Any:
-    # enum members pickle as getattr(EnumClass, "NAME"); allow exactly that
-    if isinstance(obj, type) and not name.startswith("_"):
-        return getattr(obj, name)
-    raise pickle.UnpicklingError(f"unsupported getattr({obj!r}, {name!r})")
-
-
-def safe_load_metadata(file, what: str) -> Any:
-    """Unpickle DCP metadata with only DCP's own metadata classes allowed."""
-    try:
-        return _MetadataUnpickler(file).load()
-    except (pickle.UnpicklingError, AttributeError, TypeError, EOFError) as err:
-        raise UnsafeCheckpointError(
-            f"refusing to load {what}: its metadata is not plain DCP metadata ({err}); "
-            "nothing was executed"
-        ) from None
-
-
-def is_dense_file(path: Path) -> bool:
-    """A regular file (not a link) in torch's zip format."""
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return False
-        with open(path, "rb") as f:
-            return f.read(4) == ZIP_MAGIC
-    except OSError:
-        return False
 
 
 def latest(directory: str | os.PathLike) -> Path | None:

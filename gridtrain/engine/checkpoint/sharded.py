@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint import files, integrity
+from gridtrain.engine.checkpoint.dcp_metadata import load_metadata
+from gridtrain.engine.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from gridtrain.engine.checkpoint.state import (
     chunk_view,
     hyperparameters,
@@ -44,7 +47,9 @@ from gridtrain.engine.checkpoint.state import (
     set_rng_state,
     sync_model_from_masters,
 )
+from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import dense_items, dense_shape, get_shard_spec
 from gridtrain.parallel.zero.partition import get_zero_rows, local
 
@@ -57,13 +62,13 @@ MODEL, OPTIM, GROUPS = "model/", "optim/state/", "optim/param_groups"
 
 # ---- DCP with nothing unpickled but plain values ----------------------------------------------
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's reader, but ``.metadata`` may name only DCP's metadata classes."""
+    """DCP's reader, but ``.metadata`` is read as data (``dcp_metadata``)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
-            metadata = files.safe_load_metadata(f, f"'{self.path}'")
+            metadata = load_metadata(f, f"'{self.path}'")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -128,18 +133,39 @@ def state_dict(model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> d
 
 # ---- loading -----------------------------------------------------------------------------------
 def read_marker(path: Path) -> dict[str, Any]:
+    """The completion marker's dict (its own CRC-32 checked), or a ``CheckpointError``."""
     if not files.is_complete_dir(path):
-        raise ValueError(
+        raise CorruptCheckpointError(
             f"load_checkpoint: '{path}' is not a complete gridtrain checkpoint "
             f"(no {files.MARKER}: an interrupted save, or not written by gridtrain)"
         )
-    marker = json.loads((path / files.MARKER).read_text())
+    fd = os.open(path / files.MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        marker = integrity.parse_marker(f.read(1 << 26), f"load_checkpoint: '{path}'")
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-        raise ValueError(
-            f"load_checkpoint: '{path}' has format {marker.get('format')!r} "
-            f"version {marker.get('version')!r}; expected {FORMAT!r} {VERSION}"
+        raise CheckpointError(
+            f"load_checkpoint: '{path}' has format {str(marker.get('format'))[:40]!r} "
+            f"version {str(marker.get('version'))[:40]!r}; expected {FORMAT!r} {VERSION}"
         )
+    if not isinstance(marker.get("epoch"), int) or "layout" not in marker:
+        raise CorruptCheckpointError(f"load_checkpoint: '{path}': its marker lacks the epoch")
     return marker
+
+
+def verify_files(path: Path, marker: dict[str, Any], ctx: ParallelContext) -> None:
+    """Collective: every file the marker lists has its size and CRC-32 (each rank reads a
+    share of them); markers written before the CRCs list none."""
+    listed = marker.get("files")
+    if listed is None:
+        return
+    if not integrity.well_formed(listed):
+        raise CorruptCheckpointError(f"load_checkpoint: '{path}': its file list is damaged")
+    n = ctx.world_size(ParallelMode.GLOBAL)
+    share = sorted(listed)[ctx.global_rank :: n]
+    problem = integrity.check_files(path, listed, share, f"load_checkpoint: '{path}'")
+    found = [p for p in comm.all_gather_object(problem, ctx.group(ParallelMode.GLOBAL)) if p]
+    if found:
+        raise CorruptCheckpointError(found[0])
 
 
 def _optimizer_targets(optimizer, model, md: dict, ctx: ParallelContext):
@@ -196,6 +222,7 @@ class _Filled:
 def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
     """Collective: read this rank's chunks of every tensor it holds from the directory ``path``."""
     marker = read_marker(path)
+    verify_files(path, marker, ctx)
     reader = _SafeReader(path)
     md = reader.read_metadata().state_dict_metadata
     fp32 = {id(p): m for p, m in masters(optimizer)}

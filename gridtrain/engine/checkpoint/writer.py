@@ -2,7 +2,8 @@
 
 The directory is written under a temporary name beside the target (``files``);
 when every rank's data and DCP's ``.metadata`` are on disk, rank 0 writes the
-completion marker (epoch and layout, JSON) and renames the directory into place.
+completion marker (epoch, layout and every file's CRC-32, ``integrity``) and renames the
+directory into place.
 ``async_save`` stages a CPU copy of this rank's state (the only stall), then DCP
 writes in a background thread over a gloo group of its own, and the same
 finishing step runs there; a :class:`CheckpointFuture` reports the end.
@@ -10,11 +11,12 @@ finishing step runs there; a :class:`CheckpointFuture` reports the end.
 
 from __future__ import annotations
 
-import json
+import os
 import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from gridtrain.engine.checkpoint import files
+from gridtrain.engine.checkpoint import files, integrity
+from gridtrain.engine.checkpoint.errors import CheckpointError
 from gridtrain.engine.checkpoint.sharded import FORMAT, VERSION, first_failure
 from gridtrain.engine.checkpoint.state import layout
 from gridtrain.parallel import comm
@@ -92,41 +95,79 @@ def _agree(failed: bool, group, device) -> bool:
     return flag.item() > 0
 
 
-def _prepare(path: Path, ctx: ParallelContext) -> Path:
-    """Rank 0 cleans up and creates the temporary directory; every rank learns its name."""
-    made: list[Any] = [None]
-    if ctx.global_rank == 0:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            files.clean_stale(path.parent)
-            made[0] = tempfile.mkdtemp(dir=path.parent, prefix=files.temp_prefix(path))
-        except OSError as err:
-            made[0] = err
-    if ctx.world_size(ParallelMode.GLOBAL) > 1:
-        dist.broadcast_object_list(made, src=0, group=ctx.group(ParallelMode.GLOBAL))
-    if isinstance(made[0], BaseException):
-        raise OSError(f"save_checkpoint: cannot create a temporary beside '{path}'") from made[0]
-    return Path(made[0])
-
-
-def _finish(tmp: Path, path: Path, epoch: int, ctx: ParallelContext, group, saved_ok: bool):
-    """After DCP wrote everything: rank 0 marks the directory complete and renames it."""
+def on_rank0(fn: Callable[[], Any], ctx: ParallelContext) -> Any:
+    """Collective: run ``fn`` on global rank 0 only; every rank returns what it returned or
+    raises what it raised (rank 0 the error itself, the others the same type and message
+    where it is a ``CheckpointError`` or ``OSError``, else a ``RuntimeError`` naming it)."""
+    out: list[Any] = [None]
     error = None
     if ctx.global_rank == 0:
         try:
+            out[0] = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
+            error = err
+            out[0] = ("error", type(err), str(err))
+    if ctx.world_size(ParallelMode.GLOBAL) > 1:
+        dist.broadcast_object_list(out, src=0, group=ctx.group(ParallelMode.GLOBAL))
+    if error is not None:
+        raise error
+    if out[0][0] == "ok":
+        return out[0][1]
+    kind, message = out[0][1], out[0][2]
+    if issubclass(kind, CheckpointError | OSError):
+        raise kind(message)
+    raise RuntimeError(f"rank 0 failed: {kind.__name__}: {message}")
+
+
+def _prepare(path: Path, ctx: ParallelContext) -> Path:
+    """Rank 0 checks the target, cleans up and creates the temporary directory; every rank
+    learns its name (or rank 0's error)."""
+
+    def make() -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.clean_stale(path.parent)
+        files.check_target(path)
+        return tempfile.mkdtemp(dir=path.parent, prefix=files.temp_prefix(path))
+
+    return Path(on_rank0(make, ctx))
+
+
+def _own_files(tmp: Path, rank: int) -> dict[str, list[int]] | str:
+    """Size and CRC-32 of the files this rank wrote (rank 0: DCP's .metadata too), or what
+    went wrong reading them back."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+        return integrity.digests(tmp, sorted(names) + ([".metadata"] if rank == 0 else []))
+    except OSError as err:
+        return f"rank {rank} cannot read back what it wrote: {err}"
+
+
+def _finish(tmp: Path, path: Path, epoch: int, ctx: ParallelContext, group, saved_ok: bool):
+    """After DCP wrote everything: rank 0 lists every rank's files with their CRC-32 in the
+    completion marker, and renames the directory into place."""
+    if group is None:
+        group, device = ctx.group(ParallelMode.GLOBAL), ctx.device
+    else:
+        device = torch.device("cpu")
+    listed = comm.all_gather_object(_own_files(tmp, ctx.global_rank) if saved_ok else {}, group)
+    error = None
+    if ctx.global_rank == 0:
+        try:
+            unread = [x for x in listed if isinstance(x, str)]
+            if unread:
+                raise OSError(unread[0])
             if saved_ok:
                 marker = {"format": FORMAT, "version": VERSION, "epoch": epoch}
-                files.write_marker(tmp, json.dumps({**marker, "layout": layout(ctx)}))
+                marker.update(
+                    layout=layout(ctx), files={k: v for d in listed for k, v in d.items()}
+                )
+                files.write_marker(tmp, integrity.marker_text(marker))
                 files.replace(tmp, path)
             else:
                 files.remove_entry(tmp)
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
             error = err
             files.remove_entry(tmp)
-    if group is None:
-        group, device = ctx.group(ParallelMode.GLOBAL), ctx.device
-    else:
-        device = torch.device("cpu")
     if _agree(error is not None, group, device):
         raise error or RuntimeError(f"save_checkpoint: rank 0 failed to finish '{path}'")
     return path
@@ -185,4 +226,4 @@ def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: 
     return future
 
 
-__all__ = ["CheckpointFuture", "save", "wait_pending"]
+__all__ = ["CheckpointFuture", "on_rank0", "save", "wait_pending"]
