@@ -303,6 +303,18 @@ class OffloadZero:
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         return []  # the model's parameters are the masters
 
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held now: compute-dtype parameters on the device (resident chunks, and streamed
+        ones while fetched) and host segments (masters, gradients, streamed copies)."""
+        device = sum(c.param_bytes() for c in self.chunks if c.present)
+        host = sum(
+            t.numel() * t.element_size()
+            for c in self.chunks
+            for t in (c.masters, c.grads, c.home)
+            if t is not None
+        )
+        return {"device_params": device, "host_segments": host}
+
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes copied host-to-device and device-to-host since the engine was built."""
         return {"h2d": self.bytes_h2d, "d2h": self.bytes_d2h}

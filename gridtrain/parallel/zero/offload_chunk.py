@@ -148,10 +148,11 @@ class Chunk:
             self.flat.untyped_storage().resize_(self.numel * self.flat.element_size())
             self.present = True
         src = self.home if self.home is not None else self.masters
+        buf = self.flat.data  # a new version counter: autograd's saved views must not see writes
         with streams.h2d_after_compute():
             seg = src.to(self.device, non_blocking=True)
             if self.n == 1:
-                self.flat.copy_(seg)
+                buf.copy_(seg)
             else:
                 seg = seg.to(self.compute_dtype)
                 out = seg.new_empty(self.n * self.segment)
@@ -160,7 +161,7 @@ class Chunk:
                 for slot in self.slots:
                     s = slot.shard
                     part = rank_major[:, slot.seg : slot.seg + s.padded]
-                    dst = self.flat[slot.offset : slot.offset + slot.numel]
+                    dst = buf[slot.offset : slot.offset + slot.numel]
                     chunks_to_rows(s.chunks(part, self.n), dst.view(s.rows, s.row_numel), s)
             self.ready = streams.record_h2d()
         self.synced_version = self.masters._version
