@@ -16,7 +16,8 @@ cut of the dense result:
 input and cotangent: output, input gradient and every shard's weight gradient.
 
 *Training.* ``train_dense`` and ``train_engine`` run the same model, batches and
-optimizer in one plain process and through ``gt.initialize``; ``shares`` reports
+optimizer in one plain process and through ``gt.initialize`` (its steps are ``runs``'s,
+the core every whole-model parity test shares); ``shares`` reports
 how much of each dense parameter a rank holds, so a test can prove the model was
 really cut.
 """
@@ -36,6 +37,7 @@ from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.mode_2d import SummaGrid
 from gridtrain.parallel.tensor.mode_3d.cube import INPUT, OUTPUT, WEIGHT
 from gridtrain.parallel.tensor.modes import split_batch
+from helpers.runs import data_rows, engine_step
 
 PM = gt.ParallelMode
 
@@ -155,25 +157,16 @@ def train_engine(ctx, model, batches, loss_fn, make_opt, data_split: bool = True
     engine, *_ = gt.initialize(model, opt, loss_fn, **init_kw)
     losses, grads = [], None
     pipeline = ctx.world_size(PM.PIPELINE) > 1
-    for x, y in batches:
-        if data_split:
-            x, y = dp_rows(x, ctx), dp_rows(y, ctx)
-        engine.zero_grad()
-        if pipeline:
-            _, _, loss = engine.execute_schedule(iter([(x, y)]), return_output_label=False)
-        else:
-            loss = engine.criterion(engine(x), y)
-            engine.backward(loss)
-        engine.step()
+    for batch in batches:
+        losses.append(engine_step(engine, *(data_rows(batch, ctx) if data_split else batch), ctx))
         if grads is None and not pipeline:  # after step: data-parallel averaged, unclipped
             grads = full_grads(engine.model, ctx)
-        losses.append(loss.item())
     return losses, grads, gt.full_state_dict(engine.model), str(engine.plan), shares(engine, ctx)
 
 
 def dp_rows(t: Tensor, ctx) -> Tensor:
-    """This data-parallel rank's rows of a global batch."""
-    return t.chunk(ctx.world_size(PM.DATA))[ctx.local_rank(PM.DATA)]
+    """This data-parallel rank's rows of a global batch tensor."""
+    return data_rows((t,), ctx)[0]
 
 
 def full_grads(model: nn.Module, ctx) -> dict[str, Tensor]:
