@@ -12,7 +12,7 @@ import runpy
 import traceback
 import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,9 +20,6 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
     ValidationError,
     model_validator,
 )
@@ -30,16 +27,23 @@ from pydantic import (
 from gridtrain.config_sections import (
     GRADIENT_HANDLERS,
     HANDLER_KWARGS,
+    MAX_MB,
+    MAX_SEED,
+    MAX_TIMEOUT_S,
     STRICT,
     TENSOR_MODES,
+    Count,
     Fp16Config,
     GradientHandlerConfig,
+    Megabytes,
     MoeConfig,
+    NonNegativeCount,
     ParallelConfig,
     PipelineConfig,
     TensorConfig,
     _Section,
     _suggest,
+    quote,
 )
 
 __all__ = [
@@ -76,10 +80,10 @@ class ZeroConfig(_Section):
         description="keep optimizer state and fp32 masters in CPU memory and step there; at "
         "stage 3 (Gemini) the device keeps only compute-dtype parameters, where they fit",
     )
-    bucket_size_mb: PositiveFloat = Field(
+    bucket_size_mb: Megabytes = Field(
         25.0, description="stages 1-2: size of one reduce-scatter / all-gather bucket"
     )
-    device_param_mb: NonNegativeFloat | None = Field(
+    device_param_mb: Annotated[float, Field(ge=0, le=MAX_MB)] | None = Field(
         None,
         description="stage 3 offload: MiB of compute-dtype parameters kept on the device, "
         "chunk by chunk in forward order (the rest stream); None: 55% of the CUDA memory limit",
@@ -120,7 +124,7 @@ class ChunkedLossConfig(_SwitchSection):
     """``chunked_loss``: the LM head and its cross entropy in token chunks
     (``gridtrain.parallel.tensor.chunked_loss``); ``True`` takes the defaults."""
 
-    chunk_tokens: PositiveInt = Field(
+    chunk_tokens: Count = Field(
         8192, description="tokens per chunk: one chunk's logits exist at a time"
     )
     recompute: bool = Field(
@@ -207,7 +211,7 @@ class ActivationCheckpointConfig(_SwitchSection):
     """``activation_checkpoint``: recompute blocks' activations in the backward
     (``gridtrain.engine.recompute``); ``True`` takes the defaults."""
 
-    every: PositiveInt = Field(
+    every: Count = Field(
         1,
         description="checkpoint every n-th block of the model's block list (1: all, full recompute)",
     )
@@ -231,7 +235,7 @@ class Fp8Config(_SwitchSection):
         "logits and an MoE router's scores are the most precision-sensitive; a head tied to "
         "an embedding is always kept)",
     )
-    min_features: PositiveInt = Field(
+    min_features: Count = Field(
         256, description="Linear layers with fewer input or output features stay high precision"
     )
 
@@ -250,12 +254,14 @@ class Config(BaseModel):
     gradient_handler: list[GradientHandlerConfig] = Field(
         default_factory=list, description="handlers run after backward; [] picks the default"
     )
-    gradient_accumulation: PositiveInt = Field(1, description="micro-steps per optimizer step")
+    gradient_accumulation: Count = Field(1, description="micro-steps per optimizer step")
     clip_grad_norm: NonNegativeFloat = Field(0.0, description="max global grad norm; 0 = off")
-    num_microbatches: PositiveInt | None = Field(
+    num_microbatches: Count | None = Field(
         None, description="pipeline micro-batches per batch (legacy NUM_MICRO_BATCHES too)"
     )
-    seed: int | None = Field(None, description="overrides the seed given to launch()")
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = Field(
+        None, description="overrides the seed given to launch() (0 to 2**63 - 1)"
+    )
     cudnn_benchmark: bool = Field(False, description="torch.backends.cudnn.benchmark")
     cudnn_deterministic: bool = Field(False, description="torch.backends.cudnn.deterministic")
     moe: MoeConfig = Field(default_factory=MoeConfig)
@@ -277,13 +283,15 @@ class Config(BaseModel):
     fp8: Fp8Config | None = Field(
         None, description="float8 Linear matmuls (torchao); None: the fp16 section's precision"
     )
-    max_nonfinite_steps: NonNegativeInt = Field(
+    max_nonfinite_steps: NonNegativeCount = Field(
         3,
         description="consecutive steps with a non-finite loss or gradient norm before training "
         "stops (each is skipped on every rank); 0 = never stop",
     )
-    timeout_s: PositiveFloat = Field(
-        600.0, description="collective timeout in seconds (init_process_group and every group)"
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)] = Field(
+        600.0,
+        description="collective timeout in seconds (init_process_group and every group); at "
+        "most 1e9 (c10d counts int64 nanoseconds)",
     )
     source: str | None = Field(None, description="set by from_file: the path it came from")
 
@@ -295,7 +303,7 @@ class Config(BaseModel):
         allowed = [k for k in cls.model_fields]
         for key in data:
             if not isinstance(key, str):
-                raise ValueError(f"config keys must be strings, got {key!r}")
+                raise ValueError(f"config keys must be strings, got {quote(key)}")
             if key not in allowed and not key.isupper():
                 raise ValueError(_suggest(key, allowed))
         if data.get("num_microbatches") is None and "NUM_MICRO_BATCHES" in data:
@@ -355,7 +363,7 @@ class Config(BaseModel):
                 and not isinstance(v, types.ModuleType | types.FunctionType | type)
             }
         elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _load_yaml(path) or {}
             if not isinstance(data, dict):
                 raise ConfigError(
                     f"config file '{path}' must hold a mapping, got {type(data).__name__}"
@@ -440,9 +448,82 @@ def _run_config(path: Path) -> dict[str, Any]:
         ]
         where = f" at line {lines[-1]}" if lines else ""
         raise ConfigError(
-            f"config file '{path}' raised {err!r}{where} while loading; a config must only "
+            f"config file '{path}' raised {quote(err)}{where} while loading; a config must only "
             "assign its keys"
         ) from None
+
+
+# ---- YAML ------------------------------------------------------------------------------------
+MAX_ALIAS_VALUES = 10_000  # values that aliases may repeat, all together: configs need few
+
+
+class _YamlError(Exception):
+    pass
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses duplicate keys (the first would be dropped silently)
+    and aliases that repeat more than ``MAX_ALIAS_VALUES`` values (a few hundred bytes of
+    nested aliases expand to billions, and every walk over them, an error's quote too, takes
+    as long)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self._sizes: dict[int, int] = {}
+        self._repeated = 0
+
+    def _size(self, node: yaml.Node) -> int:
+        if id(node) not in self._sizes:  # a node may appear many times; count it once here
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+            if isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            self._sizes[id(node)] = 1 + sum(self._size(child) for child in children)
+        return self._sizes[id(node)]
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = self.anchors.get(event.anchor)
+            if node is not None:
+                self._repeated += self._size(node)
+                if self._repeated > MAX_ALIAS_VALUES:
+                    raise _YamlError(
+                        f"the alias *{quote(event.anchor)[1:-1]} at line "
+                        f"{event.start_mark.line + 1} makes aliases repeat more than "
+                        f"{MAX_ALIAS_VALUES} values; write the values out"
+                    )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # '<<' merges are meant to be overridden
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.setdefault(key, line)
+                except TypeError:
+                    continue  # unhashable: the constructor itself refuses it
+                if first != line:
+                    raise _YamlError(
+                        f"duplicate key {quote(key)} at line {line} (first at line {first}); "
+                        "YAML would keep only the last"
+                    )
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(path: Path) -> Any:
+    """``path``'s YAML through ``StrictYamlLoader``; every failure a ``ConfigError``."""
+    try:
+        return yaml.load(path.read_text(), Loader=StrictYamlLoader)  # noqa: S506 - safe loader
+    except _YamlError as err:
+        raise ConfigError(f"config file '{path}': {err}") from None
+    except (yaml.YAMLError, RecursionError) as err:
+        text = str(err)
+        text = text if len(text) <= 400 else text[:400] + "..."
+        raise ConfigError(f"config file '{path}' is not valid YAML: {text}") from None
 
 
 def _explain(err: ValidationError) -> str:
@@ -453,7 +534,7 @@ def _explain(err: ValidationError) -> str:
         where = f"key '{loc}': " if loc else ""
         got = ""
         if e["type"] not in ("value_error", "missing"):
-            got = f" (got {e['input']!r}{_type_hint(e['input'])})"
+            got = f" (got {quote(e['input'])}{_type_hint(e['input'])})"
         lines.append(f"{where}{msg}{got}")
     return "invalid config: " + "; ".join(lines)
 

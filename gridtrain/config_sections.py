@@ -11,13 +11,13 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import reprlib
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveInt,
     field_validator,
     model_validator,
 )
@@ -39,11 +39,38 @@ GRADIENT_HANDLERS = tuple(HANDLER_KWARGS)
 # is still accepted where a float is expected. inf and nan are refused everywhere.
 STRICT = ConfigDict(strict=True, allow_inf_nan=False, validate_assignment=True)
 
+# Every number is bounded by what consumes it, so an absurd value fails here, naming its key,
+# rather than in every worker: c10d ranks and torch's split/chunk counts are 32-bit;
+# torch.manual_seed takes 64 bits (and the per-mode generators add small offsets to the seed);
+# c10d keeps a timeout as int64 nanoseconds from now; a loss scale lives in an fp32 tensor.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_TIMEOUT_S = 1e9  # about 31 years
+MAX_LOSS_SCALE = 3.4028234663852886e38  # float32's largest finite value
+MAX_MB = float(2**20)  # one terabyte, for buffer sizes in MB
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+NonNegativeCount = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Megabytes = Annotated[float, Field(gt=0, le=MAX_MB)]
+LossScale = Annotated[float, Field(gt=0, le=MAX_LOSS_SCALE)]
+
+# errors quote what they refuse, abbreviated: a value can be huge (a YAML alias, a generated list)
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = 160
+_QUOTE.maxlist = _QUOTE.maxtuple = _QUOTE.maxdict = _QUOTE.maxset = 8
+_QUOTE.maxlevel = 3
+QUOTE_CHARS = 200
+
+
+def quote(value: Any) -> str:
+    """``repr(value)`` cut to about ``QUOTE_CHARS`` characters (without ever building it whole)."""
+    text = _QUOTE.repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "..."
+
 
 def _suggest(key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(key)[:QUOTE_CHARS], allowed, n=1, cutoff=0.6)
     hint = f" — did you mean '{close[0]}'?" if close else ""
-    return f"unknown key '{key}'{hint} (allowed: {', '.join(sorted(allowed))})"
+    return f"unknown key {quote(key)}{hint} (allowed: {', '.join(sorted(allowed))})"
 
 
 class _Section(BaseModel):
@@ -65,11 +92,11 @@ class _Section(BaseModel):
 class TensorConfig(_Section):
     """``parallel.tensor``: how each model replica's layers are split."""
 
-    size: PositiveInt = Field(1, description="processes in one tensor-parallel group")
+    size: Count = Field(1, description="processes in one tensor-parallel group")
     mode: Literal["1d", "2d", "2.5d", "3d", "sequence"] | None = Field(
         None, description="tensor-parallel algorithm; None means no tensor parallelism"
     )
-    depth: PositiveInt = Field(1, description="2.5d only: number of q x q layers")
+    depth: Count = Field(1, description="2.5d only: number of q x q layers")
     ring_attention: Literal["standard", "online"] = Field(
         "standard",
         description="sequence only: 'standard' keeps S x S/N scores, 'online' uses online softmax",
@@ -92,7 +119,7 @@ class TensorConfig(_Section):
                 close = difflib.get_close_matches(style, list(STYLES), n=1)
                 hint = f" — did you mean '{close[0]}'?" if close else ""
                 raise ValueError(
-                    f"plan pattern {pattern!r} names unknown style {style!r}{hint} "
+                    f"plan pattern {quote(pattern)} names unknown style {quote(style)}{hint} "
                     f"(allowed: {', '.join(STYLES)})"
                 )
         return plan
@@ -125,14 +152,14 @@ class TensorConfig(_Section):
 class PipelineConfig(_Section):
     """``parallel.pipeline``: an int (the size) or a dict with these keys."""
 
-    size: PositiveInt = Field(1, description="number of pipeline stages")
-    num_chunks: PositiveInt = Field(
+    size: Count = Field(1, description="number of pipeline stages")
+    num_chunks: Count = Field(
         1, description="model chunks per stage; > 1 selects the interleaved 1F1B schedule"
     )
     partition: Literal["uniform", "parameters"] = Field(
         "uniform", description="cut layers evenly by count, or balance parameter counts"
     )
-    tensor_shape: Annotated[tuple[PositiveInt, ...], Field(min_length=1)] | None = Field(
+    tensor_shape: Annotated[tuple[Count, ...], Field(min_length=1)] | None = Field(
         None, description="fixed activation shape between stages; None exchanges shapes"
     )
 
@@ -159,15 +186,15 @@ class Fp16Config(_Section):
 
     # not strict: the strings "torch", "naive", ... (YAML) are the enum's values
     mode: AMP_TYPE | None = Field(None, strict=False, description="torch, naive, apex or bf16")
-    initial_scale: float = Field(2.0**16, gt=0, description="first loss scale")
+    initial_scale: LossScale = Field(2.0**16, description="first loss scale")
     growth_factor: float = Field(
         2.0, gt=1, description="scale multiplier after growth_interval good steps"
     )
     backoff_factor: float = Field(0.5, gt=0, lt=1, description="scale multiplier on overflow")
-    growth_interval: PositiveInt = Field(1000, description="good steps before the scale grows")
-    hysteresis: PositiveInt = Field(2, description="naive: overflows tolerated before backing off")
-    min_scale: float = Field(1.0, gt=0, description="naive: smallest loss scale")
-    max_scale: float = Field(2.0**32, gt=0, description="naive: largest loss scale")
+    growth_interval: Count = Field(1000, description="good steps before the scale grows")
+    hysteresis: Count = Field(2, description="naive: overflows tolerated before backing off")
+    min_scale: LossScale = Field(1.0, description="naive: smallest loss scale")
+    max_scale: LossScale = Field(2.0**32, description="naive: largest loss scale")
     verbose: bool = Field(False, description="log scale changes")
     opt_level: Literal["O0", "O1", "O2", "O3"] = Field("O1", description="apex only")
 
@@ -195,7 +222,8 @@ class GradientHandlerConfig(BaseModel):
             close = difflib.get_close_matches(value, GRADIENT_HANDLERS, n=1)
             hint = f" — did you mean '{close[0]}'?" if close else ""
             raise ValueError(
-                f"unknown gradient handler '{value}'{hint} (allowed: {', '.join(GRADIENT_HANDLERS)})"
+                f"unknown gradient handler {quote(value)}{hint} "
+                f"(allowed: {', '.join(GRADIENT_HANDLERS)})"
             )
         return value
 
@@ -208,15 +236,19 @@ class GradientHandlerConfig(BaseModel):
                 hint = f" — did you mean '{close[0]}'?" if close else ""
                 takes = ", ".join(allowed) if allowed else "none"
                 raise ValueError(
-                    f"{self.type} got unknown keyword argument '{key}'{hint} (it takes: {takes})"
+                    f"{self.type} got unknown keyword argument {quote(key)}{hint} "
+                    f"(it takes: {takes})"
                 )
             if key == "bucket_size_mb" and not (
                 isinstance(value, int | float)
                 and not isinstance(value, bool)
                 and math.isfinite(value)
-                and value > 0
+                and 0 < value <= MAX_MB
             ):
-                raise ValueError(f"{self.type}: bucket_size_mb must be a number > 0, got {value!r}")
+                raise ValueError(
+                    f"{self.type}: bucket_size_mb must be a number > 0 and <= {MAX_MB:.0f}, "
+                    f"got {quote(value)}"
+                )
         return self
 
     @property
@@ -227,6 +259,6 @@ class GradientHandlerConfig(BaseModel):
 class MoeConfig(_Section):
     """``moe``: mixture of experts."""
 
-    expert_parallel_size: PositiveInt = Field(
+    expert_parallel_size: Count = Field(
         1, description="data ranks across which one layer's experts are spread"
     )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config, ConfigError
+from gridtrain.config_sections import MAX_SEED, MAX_TIMEOUT_S, quote
 from gridtrain.parallel.context import ParallelContext, set_context, wait_for_idle_workers
 from gridtrain.parallel.random import seed_everything
 
@@ -55,10 +56,17 @@ def launch(
     cfg.check_world_size(world_size)
     if timeout_s is not None:
         if isinstance(timeout_s, bool) or not (
-            isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0
+            isinstance(timeout_s, int | float)
+            and math.isfinite(timeout_s)
+            and 0 < timeout_s <= MAX_TIMEOUT_S
         ):
-            raise ConfigError(f"launch: timeout_s must be a number > 0, got {timeout_s!r}")
+            raise ConfigError(
+                f"launch: timeout_s must be a number > 0 and <= {MAX_TIMEOUT_S:g} (c10d counts "
+                f"int64 nanoseconds), got {quote(timeout_s)}"
+            )
         cfg = cfg.model_copy(update={"timeout_s": float(timeout_s)})  # the groups use it too
+    if cfg.seed is None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
+        raise ConfigError(f"launch: seed must be an int in [0, 2**63 - 1], got {quote(seed)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")

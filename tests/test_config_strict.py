@@ -166,15 +166,15 @@ def test_tensor_shape_entries_must_be_positive(shape, got):
         ),
         (
             dict(type="MoeGradientHandler", bucket_size_mb=-1),
-            "bucket_size_mb must be a number > 0, got -1",
+            "bucket_size_mb must be a number > 0 and <= 1048576, got -1",
         ),
         (
             dict(type="SequenceParallelGradientHandler", bucket_size_mb=0),
-            "bucket_size_mb must be a number > 0, got 0",
+            "bucket_size_mb must be a number > 0 and <= 1048576, got 0",
         ),
         (
             dict(type="DataParallelGradientHandler", bucket_size_mb="25"),
-            "bucket_size_mb must be a number > 0, got '25'",
+            "bucket_size_mb must be a number > 0 and <= 1048576, got '25'",
         ),
         (dict(type="DataParallelGradientHandler", bucket_size_mb=True), "got True"),
         (dict(type="DataParallelGradientHandler", bucket_size_mb=math.inf), "got inf"),
@@ -254,3 +254,104 @@ def test_gridtrain_run_reports_it_with_exit_2_not_the_config_exit_code(
         assert stop.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+# ---- bounds: every number fits what consumes it (issue 28 items 5 and 6) -------------------
+@pytest.mark.parametrize(
+    "bad,key",
+    [
+        (dict(timeout_s=1e300), "timeout_s"),  # timedelta overflowed in every worker
+        (dict(timeout_s=1e10), "timeout_s"),  # c10d counts int64 nanoseconds
+        (dict(seed=2**70), "seed"),  # torch.manual_seed raised in every worker
+        (dict(seed=-1), "seed"),
+        (dict(gradient_accumulation=2**40), "gradient_accumulation"),
+        (dict(num_microbatches=2**40), "num_microbatches"),
+        (dict(parallel=dict(tensor=dict(size=2**40, mode="1d"))), "parallel.tensor.size"),
+        (dict(parallel=dict(pipeline=2**40)), "parallel.pipeline.size"),
+        (dict(fp16=dict(mode="naive", initial_scale=1e300)), "fp16.initial_scale"),
+        (dict(zero=dict(stage=2, bucket_size_mb=1e300)), "zero.bucket_size_mb"),
+        (dict(chunked_loss=dict(chunk_tokens=2**40)), "chunked_loss.chunk_tokens"),
+    ],
+)
+def test_numbers_out_of_their_consumers_range_are_errors_naming_the_key(bad, key):
+    message = error_of(bad)
+    assert f"key '{key}'" in message, message
+
+
+def test_seed_and_timeout_at_their_limits_are_accepted():
+    c = gt.Config.from_dict(dict(seed=2**63 - 1, timeout_s=1e9))
+    assert c.seed == 2**63 - 1 and c.timeout_s == 1e9
+
+
+def test_launch_arguments_are_bounded_too():
+    with pytest.raises(gt.ConfigError, match="seed"):
+        gt.launch({}, rank=0, world_size=1, host="127.0.0.1", port=1, seed=2**70)
+    with pytest.raises(gt.ConfigError, match="timeout_s"):
+        gt.launch({}, rank=0, world_size=1, host="127.0.0.1", port=1, timeout_s=1e300)
+
+
+def test_gridtrain_run_refuses_out_of_range_values_before_any_process(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
+    (tmp_path / "train.py").write_text("")
+    for body, key in (("timeout_s = 1e300\n", "timeout_s"), ("seed = 2**70\n", "seed")):
+        (tmp_path / "config.py").write_text(body)
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["run", "--nproc_per_node", "2", "--config", "config.py", "train.py"])
+        assert stop.value.code == 2
+        assert f"key '{key}'" in capsys.readouterr().err
+
+
+def test_quoted_values_in_errors_are_cut(tmp_path):
+    huge = ["x" * 1000] * 1000
+    message = error_of(dict(parallel=huge))
+    assert "key 'parallel'" in message and len(message) < 1000, len(message)
+    message = error_of({"p" * 10_000: 1})
+    assert "unknown key" in message and len(message) < 2000, len(message)
+
+
+# ---- YAML ------------------------------------------------------------------------------------
+ALIAS_BOMB = (  # 9**9 strings once expanded, from ~330 bytes
+    "A: &A [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("ABCDEFGH", "BCDEFGHI"))
+    + "parallel: *I\n"
+)
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+    assert len(ALIAS_BOMB) < 500
+    with pytest.raises(gt.ConfigError) as err:
+        gt.Config.from_file(path)
+    message = str(err.value)
+    assert "alias" in message and "line " in message and len(message) < 500, message[:1000]
+
+
+def test_yaml_aliases_within_the_limit_still_load(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("BASE: &base {size: 2, mode: 1d}\nparallel:\n  tensor: *base\n")
+    assert gt.Config.from_file(path).parallel.tensor.size == 2
+
+
+@pytest.mark.parametrize(
+    "text,key,line",
+    [
+        (
+            "parallel: {tensor: {size: 2, mode: 1d}}\ntimeout_s: 5\nparallel: {pipeline: 2}\n",
+            "parallel",
+            3,
+        ),
+        ("fp16:\n  mode: bf16\n  mode: naive\n", "mode", 3),
+    ],
+)
+def test_duplicate_yaml_keys_are_refused_naming_key_and_line(tmp_path, text, key, line):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(gt.ConfigError) as err:
+        gt.Config.from_file(path)
+    message = str(err.value)
+    assert f"duplicate key '{key}'" in message and f"line {line}" in message, message
+    assert str(path) in message, message
