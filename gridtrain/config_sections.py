@@ -156,8 +156,8 @@ class PipelineConfig(_Section):
     num_chunks: Count = Field(
         1, description="model chunks per stage; > 1 selects the interleaved 1F1B schedule"
     )
-    partition: Literal["uniform", "parameters"] = Field(
-        "uniform", description="cut layers evenly by count, or balance parameter counts"
+    partition: Literal["balanced", "parameters", "uniform"] = Field(
+        "balanced", description="balance stages by parameters and compute, parameters, or layers"
     )
     tensor_shape: Annotated[tuple[Count, ...], Field(min_length=1)] | None = Field(
         None, description="fixed activation shape between stages; None exchanges shapes"

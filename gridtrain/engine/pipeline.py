@@ -4,7 +4,6 @@ pick the schedule."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +16,7 @@ from gridtrain.engine.schedules import (
     PipelineSchedule,
     check_interleaved,
 )
-from gridtrain.parallel import comm, tags
+from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.pipeline.p2p import first_last_stage_group
@@ -67,6 +66,7 @@ def prepare_pipeline(
         chunks,
         cfg.partition,
         ctx.device,
+        ctx,
     )
     if on_meta:
         _sync_tied_from_first_stage(stage, ctx)
@@ -88,16 +88,3 @@ def _sync_tied_from_first_stage(stage: nn.Module, ctx: ParallelContext) -> None:
     first = ctx.ranks(ParallelMode.PIPELINE)[0]
     for p in shared:
         comm.broadcast_(p.data, first, group)
-
-
-def has_pipeline_shared(model: nn.Module) -> bool:
-    """Whether ``model`` holds a weight tied across pipeline stages (then the engine adds
-    ``PipelineSharedModuleGradientHandler`` to the default handlers)."""
-    return any(is_pipeline_shared(p) for p in model.parameters())
-
-
-def mark_pipeline_shared(*params: Any) -> None:
-    """Declare weights that are tied across stages but are separate tensors (e.g. built by
-    separate layer factories): their gradients are summed between first and last stage."""
-    for p in params:
-        tags.mark_pipeline_shared(p)

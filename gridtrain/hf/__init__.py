@@ -45,10 +45,12 @@ __all__ = [
 def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[dict, Any]:
     """The tensor plan of a ``transformers`` model under ``ctx`` and the example to trace it
     with; raises ``PlanError`` (heads not divisible, no plan where one is needed)."""
+    from gridtrain.hf import families
     from gridtrain.hf.patches import give_reset_parameters
     from gridtrain.hf.plans import tensor_plan, trace_example
 
     plan = tensor_plan(model, ctx)
+    families.check(model, ctx.tensor_mode)
     if not model.config.architectures:
         model.config.architectures = [type(model).__name__]
     give_reset_parameters(model)  # gt.lazy_init: shards re-run the model's own init
@@ -56,12 +58,20 @@ def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[di
 
 
 def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:
-    """Once the plan is applied: local head counts (GPT-2), ring attention under 'sequence'."""
+    """Once the plan is applied: local head counts (GPT-2, Phi-3), what replaced layers must
+    keep computing (Gemma's scaled embedding and ``1 + weight`` norms), ring attention under
+    'sequence'."""
+    from gridtrain.hf import families
     from gridtrain.hf.attention import install
-    from gridtrain.hf.patches import localise_gpt2_heads
+    from gridtrain.hf.patches import localise_gpt2_heads, localise_phi3_heads
     from gridtrain.hf.plans import head_split
 
-    if getattr(model.config, "model_type", None) == "gpt2":
+    model_type = getattr(model.config, "model_type", None)
+    if model_type == "gpt2":
         localise_gpt2_heads(model, head_split(ctx))
+    elif model_type == "phi3":
+        packed = {n for n, e in plan.entries.items() if e.style == "packed_colwise"}
+        localise_phi3_heads(model, packed, head_split(ctx))
+    families.restore(model)
     if ctx.tensor_mode == "sequence":
         install(model, ctx)

@@ -3,7 +3,9 @@
 * GPT-2's attention splits ``c_attn``'s output with ``split_size = hidden`` (the dense
   width); with heads split over the tensor group each rank's ``c_attn`` returns
   ``3 * hidden / split`` features, so ``split_size`` (and ``num_heads``) become local.
-  Llama-family attention reshapes with ``-1`` heads and needs nothing.
+  Phi-3 cuts its fused ``qkv_proj`` output at the dense query width, so its attention
+  modules get local head counts too. Llama-family attention reshapes with ``-1`` heads
+  and needs nothing.
 * ``gt.lazy_init()`` builds the model on meta; the engine then allocates each rank's
   shards and re-runs ``reset_parameters``. HF modules without one (``Conv1D``,
   ``*RMSNorm``) get the model's own ``_init_weights``, and rotary embeddings, whose
@@ -29,6 +31,30 @@ def localise_gpt2_heads(model: nn.Module, split: int) -> None:
         if hasattr(module, "c_attn") and hasattr(module, "split_size"):
             module.split_size = module.embed_dim // split
             module.num_heads = module.num_heads // split
+
+
+class _LocalHeads:
+    """A view of a model's config with this rank's query-head count; every other field
+    (and later changes, such as the attention implementation) read through."""
+
+    def __init__(self, config, num_attention_heads: int):
+        self.__dict__.update(_config=config, num_attention_heads=num_attention_heads)
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+def localise_phi3_heads(model: nn.Module, packed: set[str], split: int) -> None:
+    """Phi-3's attention cuts ``qkv_proj``'s output at ``config.num_attention_heads *
+    head_dim`` (the dense width): where ``qkv_proj`` is split as packed blocks (``packed``
+    holds those paths), its attention gets this rank's head counts."""
+    if split == 1:
+        return
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if f"{prefix}qkv_proj" in packed and hasattr(module, "num_key_value_heads"):
+            module.num_key_value_heads //= split
+            module.config = _LocalHeads(module.config, module.config.num_attention_heads // split)
 
 
 def give_reset_parameters(model: nn.Module) -> None:

@@ -5,9 +5,11 @@
   ``packed_colwise`` with 3 blocks in every head-splitting mode, so each rank keeps
   whole heads of q, k and v; under 1d ``c_proj`` is row-parallel, the MLP a
   column/row pair, and ``lm_head`` (tied to ``wte``) gathers its logits.
-* **Llama family** (Llama, Qwen2, Mistral, ...) bring their own ``_tp_plan``
+* **Llama family** (Llama, Qwen2, Mistral, Gemma, ...) bring their own ``_tp_plan``
   (HF pattern syntax, already prefixed by ``transformers``); gridtrain uses it, moving
   a vocabulary split that does not divide to the embedding dimension.
+* **Phi-3** brings one that gathers its fused ``qkv_proj`` / ``gate_up_proj`` outputs;
+  gridtrain splits them as packed blocks instead (``phi3_plan``).
 * **Any other model** under a mode that splits heads must get its styles from
   ``parallel.tensor.plan``: tracing cannot see how a fused projection packs its heads,
   so gridtrain refuses to guess and names the Linear layers that need a style.
@@ -95,6 +97,8 @@ def tensor_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type == "gpt2":
         return gpt2_plan(model, ctx)
+    if model_type == "phi3":
+        return phi3_plan(model, ctx)
     own = getattr(model, "_tp_plan", None) or getattr(model, "gt_tp_plan", None)
     if own:
         return fit_vocab(model, dict(own), ctx)
@@ -126,6 +130,27 @@ def gpt2_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
         plan[f"{p}wte"], plan["lm_head"] = "embedding_rowwise", "colwise_gather_output"
     else:  # GPT-2's 50257 tokens: split the hidden dim of the tied table instead
         plan[f"{p}wte"], plan["lm_head"] = "embedding_colwise", "rowwise_split_input"
+    return plan
+
+
+def phi3_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
+    """Phi-3: its ``_tp_plan`` gathers the outputs of the fused ``qkv_proj`` and
+    ``gate_up_proj`` (every rank then runs every head and the whole MLP activation);
+    gridtrain splits them as packed blocks instead, so each rank keeps its heads of q, k
+    and v and its part of gate and up. The q/k/v blocks are equal only without grouped
+    key/value heads; with them ``qkv_proj`` keeps Phi-3's own gathered split."""
+    cfg, p = model.config, base_prefix(model)
+    plan = fit_vocab(model, dict(model._tp_plan), ctx)
+    plan[f"{p}layers.*.mlp.gate_up_proj"] = "packed_colwise"
+    plan[f"{p}layers.*.mlp.down_proj"] = "rowwise"
+    if cfg.num_key_value_heads == cfg.num_attention_heads:
+        plan[f"{p}layers.*.self_attn.qkv_proj"] = "packed_colwise"
+        plan[f"{p}layers.*.self_attn.o_proj"] = "rowwise"
+    for name, module in model.named_modules():  # the planner reads the block count here
+        if name.endswith(".mlp.gate_up_proj"):
+            module.gt_packed = 2
+        elif name.endswith(".self_attn.qkv_proj"):
+            module.gt_packed = 3
     return plan
 
 

@@ -4,6 +4,22 @@
 1F1B and interleaved schedules live in ``gridtrain.engine.schedules``.
 """
 
-from gridtrain.parallel.pipeline.partition import PipelineStage, build_stage, layer_list, partition
+from gridtrain.parallel.pipeline.partition import (
+    METHODS,
+    PipelineStage,
+    build_stage,
+    layer_list,
+    mark_pipeline_shared,
+    partition,
+)
+from gridtrain.parallel.pipeline.table import StageTable
 
-__all__ = ["PipelineStage", "build_stage", "layer_list", "partition"]
+__all__ = [
+    "METHODS",
+    "PipelineStage",
+    "StageTable",
+    "build_stage",
+    "layer_list",
+    "mark_pipeline_shared",
+    "partition",
+]

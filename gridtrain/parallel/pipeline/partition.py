@@ -1,17 +1,14 @@
 """Cutting a model into pipeline stages: which layers each rank keeps, and only those built.
 
-A model is partitionable when it is an ``nn.Sequential``, defines
-``pipeline_layers()`` returning its layers in execution order (modules, or
-``(name, module)`` pairs), or comes from a library with a model adapter
-(``gridtrain.hf`` lists a Hugging Face model's layers); the output of each layer is
-the input of the next (a tuple is unpacked into positional arguments; a layer with a
-``gt_pipeline_run(layer, *inputs)`` attribute is run through it). A dict batch is
-passed to the first layer as keyword arguments. The layers are cut into
-``P * num_chunks`` contiguous parts, evenly by layer count ("uniform") or
-balancing parameter counts ("parameters"); virtual part ``c * P + s`` is chunk
-``c`` of stage ``s`` (Megatron's interleaving). A stage module registers its
-layers under their dense paths, so its ``state_dict`` keys are the dense
-model's keys for those layers.
+The model's layers (``layers.py``: an ``nn.Sequential``, ``pipeline_layers()``, a
+library adapter, or a forward that chains its layers) are cut into ``P * num_chunks``
+contiguous parts (``balance.py``: by parameters and compute by default); virtual part
+``c * P + s`` is chunk ``c`` of stage ``s`` (Megatron's interleaving). The output of
+each layer is the input of the next (a tuple is unpacked into positional arguments; a
+layer with a ``gt_pipeline_run(layer, *inputs)`` attribute is run through it). A dict
+batch is passed to the first layer as keyword arguments. A stage module registers its
+layers under their dense paths, so its ``state_dict`` keys are the dense model's keys
+for those layers, and carries the cut's ``stage_table`` (``table.py``).
 
 A model built under ``gt.lazy_init()`` lives on the meta device: each rank then
 allocates only its own layers and re-runs their ``reset_parameters``
@@ -21,101 +18,30 @@ allocates only its own layers and re-runs their ``reset_parameters``
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from gridtrain.parallel import tags
 from gridtrain.parallel.materialize import materialise
-from gridtrain.parallel.tags import mark_pipeline_shared
-from gridtrain.parallel.tensor.plan import model_adapter
+from gridtrain.parallel.pipeline.balance import METHODS, layer_costs, partition
+from gridtrain.parallel.pipeline.layers import layer_list
+from gridtrain.parallel.pipeline.table import StageTable, stage_table
+from gridtrain.parallel.sharding import dense_shape
 
 logger = logging.getLogger("gridtrain")
 
-METHODS = ("uniform", "parameters")
-
-
-def layer_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's layers in execution order, each with its dotted path inside ``model``."""
-    if hasattr(model, "pipeline_layers"):
-        items = list(model.pipeline_layers())
-    elif isinstance(model, nn.Sequential):
-        items = list(model.named_children())
-    elif model_adapter(model) is not None:
-        items = list(model_adapter(model).pipeline_layers(model))
-    else:
-        raise TypeError(
-            f"pipeline parallelism needs an nn.Sequential or a model with pipeline_layers(); "
-            f"got {type(model).__name__}"
-        )
-    path_of = {id(m): name for name, m in model.named_modules() if name}
-    layers = []
-    for item in items:
-        name, module = item if isinstance(item, tuple) else (path_of.get(id(item)), item)
-        if not isinstance(module, nn.Module) or name is None:
-            raise TypeError(
-                f"pipeline_layers() of {type(model).__name__} must yield submodules of the "
-                f"model (or (name, module) pairs), got {type(module).__name__}"
-            )
-        layers.append((name, module))
-    covered = {id(p) for _, m in layers for p in m.parameters()}
-    outside = [n for n, p in model.named_parameters() if id(p) not in covered]
-    if outside:
-        raise ValueError(
-            f"parameters outside the pipeline layers cannot be placed on a stage: {outside[:5]}; "
-            f"wrap them in a layer listed by pipeline_layers()"
-        )
-    return layers
-
-
-def partition(weights: list[int], parts: int, method: str = "uniform") -> list[tuple[int, int]]:
-    """Cut ``len(weights)`` layers into ``parts`` contiguous non-empty ``[start, end)`` ranges.
-
-    "uniform" balances layer counts (earlier parts take the remainder); "parameters"
-    minimises the largest part's weight sum (exact dynamic programme).
-    """
-    n = len(weights)
-    if method not in METHODS:
-        raise ValueError(f"parallel.pipeline.partition must be one of {METHODS}, got {method!r}")
-    if parts < 1 or n < parts:
-        raise ValueError(
-            f"cannot cut {n} layers into {parts} pipeline parts (pipeline size x num_chunks); "
-            f"each part needs at least one layer"
-        )
-    if method == "uniform":
-        base, extra = divmod(n, parts)
-        sizes = [base + (i < extra) for i in range(parts)]
-    else:
-        sizes = _balanced_sizes(weights, parts)
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-    return bounds
-
-
-def _balanced_sizes(weights: list[int], parts: int) -> list[int]:
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: smallest possible max part weight putting the first i layers in k parts
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    sizes, i = [], n
-    for k in range(parts, 0, -1):
-        j = cut[k][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+__all__ = [
+    "METHODS",
+    "PipelineStage",
+    "build_stage",
+    "layer_list",
+    "mark_pipeline_shared",
+    "partition",
+    "stage_parts",
+]
 
 
 def stage_parts(stage: int, pipeline_size: int, num_chunks: int) -> list[int]:
@@ -152,6 +78,7 @@ class PipelineStage(nn.Module):
         self.pipeline_size = pipeline_size
         if dense_key is not None:
             self.dense_key = dense_key
+        self.stage_table: StageTable | None = None  # set by build_stage
 
     @property
     def num_chunks(self) -> int:
@@ -184,35 +111,26 @@ def build_stage(
     stage: int,
     pipeline_size: int,
     num_chunks: int = 1,
-    method: str = "uniform",
+    method: str = "balanced",
     device: torch.device | None = None,
+    ctx: Any = None,
 ) -> tuple[PipelineStage, dict[int, nn.Parameter]]:
     """Cut ``model`` and keep ``stage``'s layers; returns the stage and old->new param map.
 
-    Weights shared between stages are tagged ``tags.mark_pipeline_shared``
-    on both copies (only ties between the first and the last stage are allowed:
-    ``PipelineSharedModuleGradientHandler`` sums their gradients).
+    ``method``: one of ``METHODS`` (``balance.py``). With ``ctx``, a tensor-parallel
+    shard counts as its dense tensor, so every rank of a stage makes the same cut and
+    the stage table shows the model's numbers. Weights shared between stages are tagged
+    ``tags.mark_pipeline_shared`` on both copies (only ties between the first and the
+    last stage are allowed: ``PipelineSharedModuleGradientHandler`` sums their gradients).
     """
     layers = layer_list(model)
-    weights = [sum(p.numel() for p in m.parameters()) for _, m in layers]
-    bounds = partition(weights, pipeline_size * num_chunks, method)
+    numel = (lambda p: math.prod(dense_shape(p, ctx))) if ctx is not None else torch.numel
+    costs = layer_costs([m for _, m in layers], numel)
+    bounds = partition(costs, pipeline_size * num_chunks, method)
     owner = [0] * len(layers)  # stage of each layer
     for part, (start, end) in enumerate(bounds):
         owner[start:end] = [part % pipeline_size] * (end - start)
-    stages_of: dict[int, set[int]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for (_, m), s in zip(layers, owner, strict=True):
-        for p in m.parameters():
-            stages_of.setdefault(id(p), set()).add(s)
-            params[id(p)] = p
-    shared = {pid for pid, s in stages_of.items() if len(s) > 1}
-    for pid in shared:
-        if stages_of[pid] != {0, pipeline_size - 1}:
-            raise ValueError(
-                f"a weight of shape {tuple(params[pid].shape)} is shared by pipeline stages "
-                f"{sorted(stages_of[pid])}; only ties between the first and the last stage "
-                f"are supported"
-            )
+    shared = _shared_across_stages(layers, owner, pipeline_size)
     chunks = [
         [layers[i][0] for i in range(*bounds[part])]
         for part in stage_parts(stage, pipeline_size, num_chunks)
@@ -228,16 +146,38 @@ def build_stage(
     dense_order = [id(p) for p in model.parameters()]  # deduplicated, same on every rank
     for tie, pid in enumerate(sorted(shared, key=dense_order.index)):
         if pid in new_of:
-            mark_pipeline_shared(new_of[pid], tie)
+            tags.mark_pipeline_shared(new_of[pid], tie)
     module = PipelineStage(kept, chunks, stage, pipeline_size, getattr(model, "dense_key", None))
+    module.stage_table = stage_table(method, bounds, [n for n, _ in layers], costs, pipeline_size)
     if getattr(model, "config", None) is not None:  # a Hugging Face config: save_pretrained
         module.config = model.config
     logger.info(
-        "pipeline stage %d/%d keeps %s (%d parameters, %d shared with another stage)",
-        stage,
-        pipeline_size,
-        chunks,
-        sum(p.numel() for p in module.parameters()),
-        sum(1 for pid in shared if pid in new_of),
+        "pipeline stage %d/%d keeps %s\n%s", stage, pipeline_size, chunks, module.stage_table
     )
     return module, new_of
+
+
+def _shared_across_stages(layers, owner: list[int], pipeline_size: int) -> set[int]:
+    """Ids of the parameters held by layers of different stages (first and last only)."""
+    stages_of: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for (_, m), s in zip(layers, owner, strict=True):
+        for p in m.parameters():
+            stages_of.setdefault(id(p), set()).add(s)
+            params[id(p)] = p
+    shared = {pid for pid, s in stages_of.items() if len(s) > 1}
+    for pid in shared:
+        if stages_of[pid] != {0, pipeline_size - 1}:
+            raise ValueError(
+                f"a weight of shape {tuple(params[pid].shape)} is shared by pipeline stages "
+                f"{sorted(stages_of[pid])}; only ties between the first and the last stage "
+                f"are supported"
+            )
+    return shared
+
+
+def mark_pipeline_shared(*params: nn.Parameter) -> None:
+    """Declare weights that are tied across stages but are separate tensors (e.g. built by
+    separate layer factories): their gradients are summed between first and last stage."""
+    for p in params:
+        tags.mark_pipeline_shared(p)
