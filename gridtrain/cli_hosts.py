@@ -23,11 +23,13 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's default
 FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "OMP_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")
 # What a shell accepts after `export`; anything else could carry shell syntax.
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A DNS name or alias (labels of letters, digits, '-', '_', joined by dots; no leading '-' so
-# ssh cannot read it as an option), optionally after ssh's "user@".
-HOST_NAME = re.compile(
-    r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*"
-)
+# RFC 1123 host names: dot-separated labels of letters, digits and '-', neither starting nor
+# ending with '-', at most 63 characters each and 253 in all (so ssh never reads one as an
+# option, and no shell character can appear)
+LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+HOST_NAME = re.compile(rf"{LABEL}(?:\.{LABEL})*")
+# the zone of a link-local IPv6 address ("fe80::1%eth0"): an interface name or number
+SCOPE_ID = re.compile(r"[A-Za-z0-9_.-]+")
 USER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -84,23 +86,35 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[str]:
     return hosts
 
 
+def _is_address(name: str) -> bool:
+    """An IPv4 address, or an IPv6 address with an optional ``%scope`` of ``SCOPE_ID``
+    (``ipaddress`` itself accepts any characters in a scope id)."""
+    address, percent, scope = name.partition("%")
+    try:
+        if not percent:
+            ipaddress.ip_address(address)
+            return True
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return SCOPE_ID.fullmatch(scope) is not None
+
+
 def check_host(host: str, what: str = "host") -> str:
-    """``host`` if it is a host name, an IP address or ``user@`` either; else a ``UsageError``.
+    """``host`` if it is an RFC 1123 host name, an IP address or ``user@`` either; else a
+    ``UsageError`` naming it.
 
     Host names reach ssh's command line and the remote shell, so anything with
     spaces, shell syntax or a leading ``-`` (``-oProxyCommand=...``) is refused.
     """
     user, at, name = host.rpartition("@")
     ok = bool(name) and (not at or USER_NAME.fullmatch(user) is not None)
-    if ok and HOST_NAME.fullmatch(name) is None:
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            ok = False
-    if not ok:
+    named = HOST_NAME.fullmatch(name) is not None and len(name) <= 253
+    if not ok or not (named or _is_address(name)):
         raise UsageError(
-            f"{what} {host!r} is not a host name (expected [user@]name or an IP address: "
-            "letters, digits, '.', '-', '_', not starting with '-')"
+            f"{what} {host[:200]!r} is not a host name (expected [user@]name or an IP address: "
+            "an RFC 1123 name of letters, digits, '-' and '.', an IPv4 address, or an IPv6 "
+            "address with an optional %scope of letters, digits, '_', '.', '-')"
         )
     return host
 

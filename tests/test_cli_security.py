@@ -73,7 +73,23 @@ def test_ssh_reads_no_option_after_double_dash():
     assert argv.index("--") == len(argv) - 3, "only the host and the remote command follow --"
 
 
-BAD_HOSTS = ["node 2", "-oProxyCommand=touch PWN", "a;b", "$(touch PWN)", "node1\n", "@node", "a@"]
+BAD_HOSTS = [
+    "node 2",
+    "-oProxyCommand=touch PWN",
+    "a;b",
+    "$(touch PWN)",
+    "node1\n",
+    "@node",
+    "a@",
+    "fe80::1%$(touch PWN) x",  # issue 28 item 7: ipaddress accepts any IPv6 scope id
+    "fe80::1%eth0;id",
+    "fe80::1%",
+    "node-",  # RFC 1123: no label ends (or starts) with '-'
+    "a..b",
+    "a" * 64 + ".example.com",  # a label has at most 63 characters
+    "node_2",  # RFC 1123 names have no '_'
+    "999.1.1.1.",
+]
 
 
 @pytest.mark.parametrize("host", BAD_HOSTS)
@@ -92,9 +108,12 @@ def test_bad_host_names_are_refused_naming_the_value(host):
         (["--host", "node1,-oProxyCommand=touch PWN"], "-oProxyCommand=touch PWN"),
         (["--hostfile", "hosts.txt"], "-oProxyCommand=touch"),
         (["--host", "node1", "--master_addr", "$(touch PWN)"], "$(touch PWN)"),
+        (["--host", "node1,fe80::1%$(touch PWN) x"], "fe80::1%$(touch PWN) x"),
+        (["--master_addr", "fe80::1%$(touch PWN)"], "fe80::1%$(touch PWN)"),
     ],
 )
-def test_gridtrain_run_refuses_bad_hosts_with_exit_2(files, capsys, argv, value):
+def test_gridtrain_run_refuses_bad_hosts_with_exit_2(files, capsys, monkeypatch, argv, value):
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
     (files / "hosts.txt").write_text("node1\n-oProxyCommand=touch\n")
     assert exit_code(["run", *argv, "--config", "config.py", "train.py"]) == 2
     err = capsys.readouterr().err
@@ -103,7 +122,19 @@ def test_gridtrain_run_refuses_bad_hosts_with_exit_2(files, capsys, argv, value)
 
 
 @pytest.mark.parametrize(
-    "host", ["node1", "gpu-07.cluster.example.com", "me@node_2", "10.0.0.1", "fe80::1", "a.b-c"]
+    "host",
+    [
+        "node1",
+        "gpu-07.cluster.example.com",
+        "me_2@node-2",
+        "10.0.0.1",
+        "fe80::1",
+        "fe80::1%eth0",
+        "fe80::1%enp0s31f6.100",
+        "::ffff:10.0.0.1",
+        "a.b-c",
+        "1node",
+    ],
 )
 def test_real_host_names_are_accepted(host):
     assert check_host(host) == host
