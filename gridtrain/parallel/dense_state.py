@@ -17,6 +17,13 @@ state). A rank holds each tensor in one or more of these ways, each undone here:
   instead of the parameter, and a load writes both, so no later step copies stale masters
   back over loaded weights;
 * a pipeline stage: each stage gathers its own tensors, then the stages' dicts merge.
+
+An implementation that holds parameters its own way (an offload runtime) is served by
+keeping each model parameter, whenever no forward or backward runs, as one of the above
+with its gridtrain tags (``tags.copy_tags`` from the parameter it replaced): the whole
+tensor-parallel shard, a DTensor, or this rank's rows tagged with
+``zero.partition.set_zero_rows``; ``set_master`` where the optimizer steps a separate copy;
+and by treating writes into them (a load) as new weights before the next forward.
 """
 
 from __future__ import annotations
