@@ -41,6 +41,8 @@ class NonFiniteGuard:
         self.late = LateFlag(defer)  # the non-finite flag of a device-skipped step
         self.overflow = LateFlag(defer)  # fp16: the loss scaler's overflow flag, the same way
         self.in_a_row = 0
+        self.skipped = 0  # windows skipped so far: global_step does not count them
+        self.speaks = group is None or dist.get_rank(group) == 0  # every rank skips; one says so
         self._flag: Tensor | None = None  # any non-finite loss in this window (on device)
 
     def observe_loss(self, loss: Tensor) -> None:
@@ -61,18 +63,24 @@ class NonFiniteGuard:
         return bad
 
     def record(self, bad: bool, step: int, drop_grads: Callable[[], None] | None) -> None:
-        """Count a window's outcome; ``max_nonfinite_steps`` bad ones in a row raise."""
+        """Count a window's outcome; ``max_nonfinite_steps`` bad ones in a row raise.
+
+        ``step``: the optimizer steps taken before this window (``global_step``); the
+        warning names the window's own number, skipped windows included.
+        """
         if not bad:
             self.in_a_row = 0
             return
         self.in_a_row += 1
         if drop_grads is not None:
             drop_grads()
-        logger.warning(
-            "non-finite loss or gradient norm: step %d skipped on every rank (%d in a row)",
-            step,
-            self.in_a_row,
-        )
+        if self.speaks:
+            logger.warning(
+                "non-finite loss or gradient norm: step %d skipped on every rank (%d in a row)",
+                step + self.skipped,
+                self.in_a_row,
+            )
+        self.skipped += 1
         if self.limit and self.in_a_row >= self.limit:
             raise NonFiniteLossError(
                 f"the loss or gradient norm was not finite in {self.in_a_row} steps "
