@@ -43,8 +43,9 @@ def sharded_layers(plan: Plan) -> list[str]:
     return [n for n, e in plan.entries.items() if any(d != s for d, s in e.shards.values())]
 
 
-def better_layout(model: nn.Module) -> str:
-    """Which parallelism serves ``model`` better than a tensor mode that barely shards it."""
+def better_layout(model: nn.Module, sentence: bool = False) -> str:
+    """Which parallelism serves ``model`` better than a tensor mode that barely shards it
+    (``sentence``: capitalised, to start one)."""
     convolutional = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     what = (
         "a convolutional model"
@@ -52,7 +53,7 @@ def better_layout(model: nn.Module) -> str:
         else "a model whose weights are mostly outside Linear and embedding layers"
     )
     return (
-        f"for {what}, data parallelism (no parallel.tensor) or ZeRO "
+        f"{'F' if sentence else 'f'}or {what}, data parallelism (no parallel.tensor) or ZeRO "
         "(zero = dict(stage=1|2|3)) serves better"
     )
 

@@ -348,7 +348,7 @@ def _check_all_params_planned(plan: Plan, model: nn.Module, mode: str) -> None:
             f"tensor mode {mode!r} blocks every activation over the grid, so every parameter "
             f"must belong to a layer gridtrain shards (Linear, Embedding, a norm, "
             f"gt.nn.PatchEmbedding); these do not: {', '.join(loose[:8])}{more}. "
-            f"{better_layout(model).capitalize()}"
+            f"{better_layout(model, sentence=True)}"
         )
 
 

@@ -200,9 +200,7 @@ class Plan:
     def __str__(self) -> str:
         lines = [self._layout_line()]
         if self.mode is None:
-            lines.append(
-                "tensor plan: none (every rank of a data-parallel replica holds whole layers)"
-            )
+            lines.append("tensor plan: none (no layer is split over a tensor group)")
         else:
             lines.append(
                 f"tensor plan: mode {self.mode!r}, size {self.size}, {len(self.entries)} layers; "

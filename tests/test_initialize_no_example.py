@@ -1,0 +1,104 @@
+"""``gt.initialize(model, optimizer, criterion)`` with neither a dataloader nor ``example_inputs``
+trains in every layout: the planner builds its trace input from the model's entry layer.
+Each layout gives one process's losses while each rank holds only its share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.harness import run_distributed
+from helpers.models import TinyTransformer, tiny_batches
+from helpers.parity import seeded, train_dense, train_engine
+from torch import nn
+
+import gridtrain as gt
+
+STEPS, BATCH, SEQ, VOCAB = 2, 8, 16, 64
+
+
+class GtBlock(nn.Module):
+    """Written with gt.nn layers and no split hints; attention through gt.nn.attention."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.head_dim = d // heads
+        self.norm = gt.nn.LayerNorm(d)
+        self.qkv, self.out = gt.nn.Linear(d, 3 * d), gt.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, s, -1, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)  # head-major fused qkv: a column split keeps heads
+        a = gt.nn.attention(q, k, v, causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class GtLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, d: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(GtBlock(d), GtBlock(d))
+        self.norm, self.head = gt.nn.LayerNorm(d), gt.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.blocks(self.tok(ids))))
+
+
+MODELS = {"plain": lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), "gt.nn": GtLM}
+# name: (world, config, model, share of blocks.1's output projection each rank holds)
+LAYOUTS = {
+    "1d2": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), "plain", 1 / 2),
+    "1d2-gt.nn": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), "gt.nn", 1 / 2),
+    "2d4": (4, dict(parallel=dict(tensor=dict(size=4, mode="2d"))), "plain", 1 / 4),
+    "2.5d8": (8, dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2))), "gt.nn", 1 / 4),
+    "3d8": (8, dict(parallel=dict(tensor=dict(size=8, mode="3d"))), "plain", 1 / 8),
+    "sequence2": (2, dict(parallel=dict(tensor=dict(size=2, mode="sequence"))), "gt.nn", 1.0),
+    "1d2-pp2": (
+        4,
+        dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=2),
+        "plain",
+        1 / 2,
+    ),
+    "dp2-1d2-zero2": (
+        4,
+        dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=dict(stage=2)),
+        "gt.nn",
+        1 / 2,
+    ),
+}
+OUT_PROJ = {"plain": "blocks.1.attn.out.weight", "gt.nn": "blocks.1.out.weight"}
+
+
+def lm_loss(logits, labels):
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(ctx, batches, model_name):
+    model = seeded(MODELS[model_name], seed=0)
+    return train_engine(ctx, model, batches, lm_loss, _adamw)  # no example, no dataloader
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_initialize_needs_no_example_input(name):
+    world, config, model_name, share = LAYOUTS[name]
+    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    dense = seeded(MODELS[model_name], seed=0)
+    d_losses, _, _ = train_dense(
+        dense, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+    results = run_distributed(_train, world, batches, model_name, config=config, timeout=300)
+    data = world // (config["parallel"].get("pipeline", 1) * config["parallel"]["tensor"]["size"])
+    replica = world // data
+    # each data rank reports its rows' mean: their mean is the dense loss
+    losses = torch.tensor([r[0] for r in results[::replica]], dtype=torch.float64).mean(0)
+    # float64: layouts only reorder sums (measured <= 1e-15 relative)
+    assert losses.tolist() == pytest.approx(d_losses, rel=1e-12), name
+    for rank, (*_, plan, held) in enumerate(results):
+        if OUT_PROJ[model_name] in held:  # (pipeline: on the last stage only)
+            assert held[OUT_PROJ[model_name]] == pytest.approx(share), (name, rank, held)
+        assert plan.startswith("layout: "), plan
