@@ -79,6 +79,11 @@ def check_zero_largest(out):
     assert _row(out, "tiny")[2] == "trains"
 
 
+def check_offload(out):
+    for check in ("loss", "weight", "h2d", "d2h"):
+        assert _row(out, check)[-1] == "yes", out  # parity, and bytes moved = the formula
+
+
 def _check_resnet(out, precisions):
     for precision in precisions:
         row = _row(out, precision)
@@ -177,6 +182,7 @@ CASES = {
         [*PY, "benchmarks/zero_memory.py", "throughput", "--device", "cpu"],
         check_zero_throughput,
     ),
+    "offload_quick": ([*PY, "benchmarks/offload.py", "--quick"], check_offload),
     "zero_memory_largest": (
         [*PY, "benchmarks/zero_memory.py", "largest", "--device", "cpu", "--sizes", "tiny"],
         check_zero_largest,

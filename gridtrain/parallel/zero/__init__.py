@@ -53,7 +53,14 @@ def build_zero(
     if cfg.stage == 3 and cfg.offload:
         from gridtrain.parallel.zero.offload import OffloadZero
 
-        return OffloadZero(model, optimizer, ctx, amp=amp, device_param_mb=cfg.device_param_mb)
+        return OffloadZero(
+            model,
+            optimizer,
+            ctx,
+            amp=amp,
+            device_param_mb=cfg.device_param_mb,
+            delayed_update=cfg.delayed_update,
+        )
     if cfg.stage == 3:
         from gridtrain.parallel.zero.fsdp import FsdpZero
 

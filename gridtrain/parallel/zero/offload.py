@@ -44,12 +44,14 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map
 
 from gridtrain.amp.types import AMP_TYPE
+from gridtrain.config import ConfigError
 from gridtrain.engine.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tags import get_dp_mode
 from gridtrain.parallel.zero.fsdp import units
 from gridtrain.parallel.zero.offload_chunk import Chunk
+from gridtrain.parallel.zero.offload_delayed import DelayedStep
 from gridtrain.parallel.zero.offload_plan import compute_dtype, group_units, place
 from gridtrain.parallel.zero.offload_streams import HostGrads, Streams
 
@@ -69,6 +71,7 @@ class OffloadZero:
         ctx: ParallelContext,
         amp: AMP_TYPE | None = None,
         device_param_mb: float | None = None,
+        delayed_update: bool = False,
     ):
         self.ctx, self.model, self.amp = ctx, model, amp
         self.streams = Streams(ctx.device)
@@ -100,6 +103,11 @@ class OffloadZero:
         self.bytes_h2d = self.bytes_d2h = 0  # counted per transfer (benchmarks/offload.py)
         self._init_backward_state()
         self._hooks(model, blocks)
+        self.delayed = None
+        if delayed_update:
+            self._check_all_resident(device_param_mb)
+            self.delayed = DelayedStep(optimizer, self._order)
+            model.register_state_dict_pre_hook(lambda *_: self.delayed.wait())
         logger.info(
             "zero stage 3 offload (Gemini): %d chunks, %d resident (%.0f MiB of %s), "
             "%d streamed; masters and optimizer state in host memory",
@@ -109,6 +117,16 @@ class OffloadZero:
             dtype,
             sum(not c.resident for c in self.chunks),
         )
+
+    def _check_all_resident(self, device_param_mb: float | None) -> None:
+        streamed = [c for c in self.chunks if not c.resident]
+        if streamed:
+            need = sum(c.param_bytes() for c in self.chunks) / 2**20
+            raise ConfigError(
+                f"zero.delayed_update needs every chunk on the device ({len(streamed)} of "
+                f"{len(self.chunks)} stream at device_param_mb {device_param_mb}): set "
+                f"zero.device_param_mb to at least {need:.0f} or drop delayed_update"
+            )
 
     # ---- hooks -------------------------------------------------------------------------
     def _hooks(self, model: nn.Module, blocks: list[nn.Module]) -> None:
@@ -213,9 +231,13 @@ class OffloadZero:
         segment, had = chunk.reduce_grads()
         seen = self._seen.setdefault(chunk.index, [False] * len(had))
         self._seen[chunk.index] = [a or b for a, b in zip(seen, had, strict=True)]
+        if self.delayed is not None:  # the delayed step must be done with the last gradient
+            self.delayed.wait_chunk(chunk.index)
         self.host.land(chunk.index, segment, chunk.grads)
         self.bytes_d2h += segment.numel() * segment.element_size()
         chunk.release()
+        if chunk.pending and self._last:  # the backward is done with the stale copy
+            self._sync_chunk(chunk)
         self._next += 1
 
     def _end_backward(self) -> None:
@@ -281,14 +303,25 @@ class OffloadZero:
     @torch.no_grad()
     def after_step(self) -> None:
         """Upload the stepped masters: each resident chunk on the side stream, in forward order,
-        while the host casts the next streamed chunk's copy."""
+        while the host casts the next streamed chunk's copy. A delayed step uploads each chunk
+        in the next window's last backward instead."""
+        delayed = self.delayed is not None and self.delayed.pending
         for chunk in self.chunks:
-            self._sync_chunk(chunk)
+            if delayed:
+                chunk.pending = True
+            else:
+                self._sync_chunk(chunk)
 
     def refresh(self) -> None:
-        """Rebuild the device copies of chunks whose masters were written since (a load)."""
+        """Rebuild the device copies of chunks whose masters were written since (a load). A
+        forward without gradients (evaluation) also takes a delayed step's result now."""
+        if self.delayed is not None and not torch.is_grad_enabled():
+            self.delayed.wait()
+            for chunk in self.chunks:
+                if chunk.pending:
+                    self._sync_chunk(chunk)
         for chunk in self.chunks:
-            if chunk.masters._version != chunk.synced_version:
+            if not chunk.pending and chunk.masters._version != chunk.synced_version:
                 self._sync_chunk(chunk)
 
     def _sync_chunk(self, chunk: Chunk) -> None:
@@ -296,6 +329,7 @@ class OffloadZero:
         if chunk.resident:
             self._fetch(chunk)
         chunk.synced_version = chunk.masters._version
+        chunk.pending = False
 
     def masters_from_model(self) -> None:
         pass  # the model's parameters are the masters

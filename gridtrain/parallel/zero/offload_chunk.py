@@ -90,6 +90,7 @@ class Chunk:
         self.present = True  # the device buffer holds storage
         self.ready = None  # event: the last fetch or upload into ``flat`` is done
         self.synced_version = -1  # ``masters._version`` when the device copy was last made
+        self.pending = False  # a delayed step's result waits for the next window's backward
         for slot, (_, _, p) in zip(self.slots, params, strict=True):
             self._bind(slot, p, ctx)
         self.synced_version = self.masters._version
