@@ -428,11 +428,11 @@ def _quick_dense(cfg, batches) -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
-def _quick_gemini(cfg, batches, accumulation: int, port: int):
+def _quick_gemini(cfg, batches, accumulation: int, port: int, device: str):
     root = cfg.vocab_size * cfg.n_embd + cfg.block_size * cfg.n_embd + 2 * cfg.n_embd
     zero = dict(stage=3, offload=True, device_param_mb=root * 8 / 2**20)  # the root chunk only
     config = dict(zero=zero, gradient_accumulation=accumulation)
-    gt.launch(config, 0, 1, "127.0.0.1", port, backend="gloo")
+    gt.launch(config, 0, 1, "127.0.0.1", port, backend="gloo" if device == "cpu" else None)
     model = gpt_model.GPT(cfg).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, *_ = gt.initialize(model, opt, gpt_model.GPTLoss())
@@ -440,7 +440,7 @@ def _quick_gemini(cfg, batches, accumulation: int, port: int):
     for x, y in batches:
         engine.zero_grad()
         window = []
-        for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
+        for xm, ym in zip(x.to(device).chunk(accumulation), y.to(device).chunk(accumulation)):
             loss = engine.criterion(engine(xm), ym)
             engine.backward(loss)
             window.append(loss.item())
@@ -459,7 +459,8 @@ def quick(args) -> None:
     steps, accumulation = 3, 2
     batches = _quick_batches(cfg, steps, 4)
     d_losses, d_state = _quick_dense(cfg, batches)
-    losses, state, moved, chunks = _quick_gemini(cfg, batches, accumulation, args.port)
+    device = "cpu" if args.device == "auto" else args.device
+    losses, state, moved, chunks = _quick_gemini(cfg, batches, accumulation, args.port, device)
     # float64: only the order of additions differs (host sums, fused CPU AdamW), ~1e-16;
     # a stale or wrong device copy moves the loss by O(lr) = 1e-2
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, d_losses))
@@ -467,7 +468,7 @@ def quick(args) -> None:
     per_step = {k: moved[-1][k] - moved[-2][k] for k in ("h2d", "d2h")}
     want = transfer_per_step(chunks, accumulation, compute_bytes=8, master_bytes=8)
     resident = sum(c.resident for c in chunks)
-    print(f"\nGemini on the CPU, GPT {cfg.num_params() / 1e3:.0f}K float64, {len(chunks)} chunks "
+    print(f"\nGemini on {device}, GPT {cfg.num_params() / 1e3:.0f}K float64, {len(chunks)} chunks "
           f"({resident} resident), {accumulation} micro-steps per step")  # fmt: skip
     print("| check | measured | expected | ok |")
     print("|---|---|---|---|")
@@ -483,11 +484,34 @@ def quick(args) -> None:
         raise SystemExit("offload --quick: a check failed")
 
 
+def cpu_adam(args) -> None:
+    """The host step's kernels: AdamW over ``--adam-params`` fp32 elements in 64 tensors,
+    fused (one vectorised multi-threaded kernel), foreach and for-loop, best of three."""
+    n = int(args.adam_params)
+    print(f"\nCPU AdamW, {n / 1e6:.0f}M fp32 parameters, {torch.get_num_threads()} threads")
+    print("| kernel | ms/step | M params/s | GB/s (28 B/param) |")
+    print("|---|---|---|---|")
+    for kind in ("fused", "foreach", "for-loop"):
+        params = [torch.nn.Parameter(torch.randn(n // 64)) for _ in range(64)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        kw = {"fused": True} if kind == "fused" else {"foreach": kind == "foreach"}
+        opt = torch.optim.AdamW(params, lr=1e-4, **kw)
+        opt.step()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            opt.step()
+            best = min(best, time.perf_counter() - start)
+        print(f"| {kind} | {best * 1e3:.0f} | {n / best / 1e6:,.0f} | {28 * n / best / GB:.1f} |")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", nargs="?", default="run", choices=["run", "probe"])
+    p.add_argument("what", nargs="?", default="run", choices=["run", "probe", "cpu-adam"])
+    p.add_argument("--adam-params", type=float, default=5e8, help="cpu-adam: elements")
     p.add_argument("--quick", action="store_true", help="CPU: parity and bytes per step")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="auto", help="cuda (cpu for --quick)")
     p.add_argument("--gpu-mem", type=float, default=24.0, help="GiB of GPU memory allowed")
     p.add_argument("--host-mem", type=float, default=100.0, help="GB of host state allowed")
     p.add_argument("--batch", type=int, default=8, help="sequences per micro-step")
@@ -511,10 +535,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.device == "auto" and not args.quick:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         return quick(args)
     if args.what == "probe":
         return probe(args)
+    if args.what == "cpu-adam":
+        return cpu_adam(args)
     return gpu_run(args)
 
 
