@@ -1,22 +1,34 @@
-"""``python -m gridtrain.agent ARGS``: torch's elastic launcher (``torch.distributed.run ARGS``),
-with its rendezvous store listening on loopback only when the whole job is on this machine.
+"""``python -m gridtrain.agent ARGS``: torch's elastic launcher (``torch.distributed.run ARGS``)
+with three changes.
 
-torch's TCPStore server listens on every interface whatever ``--master_addr``
-says. For a single-node job with a loopback ``--master_addr`` (what ``gridtrain
-run`` passes for a local run) this binds the store's socket to that address
-first and hands it to a multi-tenant TCPStore; torch's static rendezvous then
-finds that server for the port and uses it instead of opening its own. Every
-other case (several nodes, another address) is torchrun unchanged.
+- The rendezvous store listens on loopback only when the whole job is on this machine.
+  torch's TCPStore server listens on every interface whatever ``--master_addr`` says. For a
+  single-node job with a loopback ``--master_addr`` (what ``gridtrain run`` passes for a local
+  run) this binds the store's socket to that address first and hands it to a multi-tenant
+  TCPStore; torch's static rendezvous then finds that server for the port and uses it.
+- Every worker is started through ``cli_procs.die_with_parent``: the workers live in sessions
+  of their own (torch's choice), so without it they would outlive an agent killed by SIGKILL.
+- A failed job ends with ``gridtrain.failures.summarize`` (the first error once, one line per
+  other rank, the rank that never arrived in a hang) instead of torch's per-rank failure
+  table; the worker processes' own bookkeeping goes in a temporary report directory.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import sys
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from gridtrain import failures
+from gridtrain.cli_procs import die_with_parent
 from gridtrain.launch import bind_loopback, is_loopback
 
 _KEEP: list[object] = []  # the pre-bound store must outlive the rendezvous (a weak cache)
@@ -45,10 +57,43 @@ def bind_store_to_loopback(argv: list[str]) -> bool:
     return True
 
 
+def _workers_die_with_agent(config_from_args):
+    """torchrun's ``config_from_args``, its worker command wrapped in ``die_with_parent``.
+
+    Wrapping the command torchrun derives (rather than rebuilding it) keeps every torchrun
+    option (``-m``, ``--no-python``, ``--run-path``) as torchrun means it."""
+
+    def wrapped(args):
+        config, cmd, cmd_args = config_from_args(args)
+        if isinstance(cmd, str):
+            cmd, *cmd_args = die_with_parent([cmd, *cmd_args], os.getpid())
+        return config, cmd, cmd_args
+
+    return wrapped
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    bind_store_to_loopback(argv)
-    torchrun.main(argv)
+    report_dir = tempfile.mkdtemp(prefix="gridtrain-run-")
+    os.environ[failures.REPORT_DIR] = report_dir  # the workers inherit it
+    # its per-process failure and stop messages: the summary below says it once
+    for name in ("torch.distributed.elastic.multiprocessing", f"{ChildFailedError.__module__}"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
+    torchrun.config_from_args = _workers_die_with_agent(torchrun.config_from_args)
+    try:
+        bind_store_to_loopback(argv)
+        torchrun.main(argv)
+    except ChildFailedError as err:
+        try:
+            text = failures.summarize(err.failures, Path(report_dir))
+        except Exception:  # noqa: BLE001 - never lose the failure: torch's own table then
+            text = err.format_msg()
+        if text:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+        raise SystemExit(1) from None
+    finally:
+        shutil.rmtree(report_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

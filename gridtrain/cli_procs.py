@@ -9,6 +9,11 @@ grace). Whatever is still alive ``grace_s`` later, or once the agent has gone,
 is killed: the agent's workers each live in a session of their own, so the
 supervisor remembers every descendant it has seen (Linux ``/proc``) and kills
 those that remain.
+
+No handler runs when ``gridtrain run`` itself is killed (SIGKILL to its process
+group, say), so every child is started through ``die_with_parent``: on Linux the
+kernel sends it SIGKILL when its parent dies (``PR_SET_PDEATHSIG``); the agent
+starts its workers the same way, so the whole tree goes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,28 @@ from collections.abc import Iterator, Sequence
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 Proc = tuple[int, int]  # (pid, start time): a pid alone may be reused
+
+# Run before the real command, in the child: ask the kernel for SIGKILL when the parent dies
+# (prctl PR_SET_PDEATHSIG = 1), quit if it already has, then become the command. A tiny
+# interpreter of its own (-I: no site, no gridtrain import), because Popen's preexec_fn is
+# unsafe in a process with threads; the setting survives exec.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def die_with_parent(argv: Sequence[str], parent: int | None = None) -> list[str]:
+    """``argv`` run so that the kernel kills it when ``parent`` (default: this process) dies;
+    the thread that starts it must live as long as that process (the main thread: Linux ties
+    the signal to the parent thread). ``argv`` unchanged where there is no ``prctl``."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    parent = os.getpid() if parent is None else parent
+    return [sys.executable, "-I", "-c", _DIE_WITH_PARENT, str(parent), *argv]
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -102,8 +129,10 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def start(self, argv: Sequence[str], **popen_kwargs) -> subprocess.Popen:
-        """``Popen(argv, **popen_kwargs)`` in a new session (so in a process group of its own)."""
-        proc = subprocess.Popen(list(argv), start_new_session=True, **popen_kwargs)
+        """``Popen(argv, **popen_kwargs)`` in a new session (so in a process group of its own),
+        killed by the kernel if this process dies first (``die_with_parent``)."""
+        argv = die_with_parent(argv)
+        proc = subprocess.Popen(argv, start_new_session=True, **popen_kwargs)
         self.procs.append(proc)
         return proc
 

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import ipaddress
-import json
 import logging
 import math
 import os
-import signal
 import socket
-import sys
-import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from gridtrain import failures
 from gridtrain.config import Config, ConfigError
 from gridtrain.config_sections import MAX_SEED, MAX_TIMEOUT_S, quote
 from gridtrain.parallel.context import ParallelContext, set_context, wait_for_idle_workers
@@ -183,60 +178,6 @@ def _config_from_env(config: ConfigLike | None) -> ConfigLike:
     return os.environ[CONFIG_ENV]
 
 
-def report_failures() -> None:
-    """Make a failing or stuck worker tell the launcher, and the user, where it was.
-
-    Under torch's elastic agent: an uncaught exception is printed as usual and
-    also written to the agent's error file (``TORCHELASTIC_ERROR_FILE``), so the
-    agent's summary names the rank that failed first, with its traceback, rather
-    than a peer's later "connection reset"; and SIGTERM (the agent stopping a
-    rank that hangs, or ``gridtrain run`` stopped) first prints every thread's
-    stack. Called by ``launch_from_torch``; does nothing outside torchrun.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or getattr(report_failures, "done", False):
-        return
-    report_failures.done = True
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
-    previous = sys.excepthook
-
-    def record(kind, value, tb):
-        previous(kind, value, tb)
-        try:
-            _write_error_file(kind, value, tb)
-        except Exception:  # noqa: BLE001 - reporting must never hide the error itself
-            pass
-
-    sys.excepthook = record
-
-
-PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _write_error_file(kind, value, tb) -> None:
-    # the format torch.distributed.elastic's ErrorHandler.record_exception writes; that one
-    # reads sys.exc_info(), which is empty inside an excepthook
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    stamp = int(time.time())
-    if any(text in str(value) for text in PEER_FAILURES):
-        # a consequence of another rank's failure: the agent names the failure with the
-        # smallest timestamp (whole seconds) as the root cause, so date this one a second
-        # later and let the rank that failed first win a tie
-        stamp += 1
-    data = {
-        "message": {
-            "message": f"{kind.__name__}: {value}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
-                "timestamp": str(stamp),
-            },
-        }
-    }
-    with open(path, "w") as f:
-        json.dump(data, f)
-
-
 def launch_from_torch(
     config: ConfigLike | None = None,
     seed: int = 1024,
@@ -246,10 +187,10 @@ def launch_from_torch(
     """Launch from the variables torchrun / ``gridtrain run`` set (RANK, WORLD_SIZE, ...).
 
     With ``config=None`` the path given to ``gridtrain run --config`` is used.
-    ``timeout_s`` defaults to the config's. See ``report_failures`` for what a
+    ``timeout_s`` defaults to the config's. ``gridtrain.failures`` says what a
     failing or stuck rank prints.
     """
-    report_failures()
+    failures.install()
     return launch(
         _config_from_env(config),
         rank=_env_int("RANK"),

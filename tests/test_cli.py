@@ -236,12 +236,13 @@ def test_local_run_passes_an_absolute_config_and_the_child_exit_code(files, monk
     monkeypatch.setattr(subprocess, "Popen", FakeLauncher)
     argv = ["--nproc_per_node", "4", "--master_port", "1234", "--config", "config.py"]
     assert cli.main(run_args(*argv, "train.py", "--epochs", "2")) == 7
-    assert seen["argv"] == [
+    want = [
         sys.executable,
         *TORCHRUN,
         *"--nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1".split(),
         *"--master_port 1234 train.py --epochs 2".split(),
     ]
+    assert seen["argv"][-len(want) :] == want, "run as given (after cli_procs.die_with_parent)"
     assert seen["env"][CONFIG_ENV] == str(files / "config.py")
     assert seen["session"], "the launcher runs in its own session (signals are forwarded)"
 
