@@ -245,7 +245,7 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
     if missing:
         raise KeyError(f"load_checkpoint: '{path}' lacks {len(missing)} keys, e.g. {missing[:5]}")
     plain = ["extra"] if extra is not None else []
-    opt_entries = None
+    opt_targets, opt_entries = {}, None
     if optimizer is not None:
         if GROUPS not in md:
             raise KeyError(f"load_checkpoint: '{path}' holds no optimizer state")
@@ -277,10 +277,25 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
     try:
         dcp.load(targets, storage_reader=reader, planner=planner)
     except CheckpointException as err:
-        raise first_failure(err) from err
-    values = planner.values
-
+        cause = first_failure(err)
+        if isinstance(cause, CheckpointError):
+            raise cause from err
+        raise CheckpointError(
+            f"load_checkpoint: reading '{path}' failed: {type(cause).__name__}: {cause}"
+        ) from err
     sync_model_from_masters(optimizer, ctx)
+    try:  # plain values that do not fit what they are loaded into: a checkpoint error
+        _load_values(optimizer, lr_scheduler, extra, planner.values, opt_targets, opt_entries)
+        if rng_key in planner.values:
+            set_rng_state(ctx, planner.values[rng_key])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(
+            f"load_checkpoint: '{path}' does not fit: {type(err).__name__}: {err}"
+        ) from err
+    return int(marker["epoch"])
+
+
+def _load_values(optimizer, lr_scheduler, extra, values, opt_targets, opt_entries) -> None:
     if optimizer is not None:
         _load_optimizer(optimizer, opt_targets, values, opt_entries)
         scaler = getattr(optimizer, "scaler", None)
@@ -290,9 +305,6 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
         lr_scheduler.load_state_dict(values["lr_scheduler"])
     if extra is not None and "extra" in values:
         extra.update(values["extra"])
-    if rng_key in values:
-        set_rng_state(ctx, values[rng_key])
-    return int(marker["epoch"])
 
 
 def _load_optimizer(optimizer, targets: dict, values: dict, entries) -> None:
