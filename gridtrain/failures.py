@@ -263,8 +263,8 @@ def _hang(ends: dict[int, RankEnd], stacks: dict[int, str]) -> list[str] | None:
 
 def summarize(failures: dict[int, Any], report_dir: Path) -> str:
     """The failed job's report: ``failures`` from torch's ``ChildFailedError``, stacks from
-    ``report_dir``. Empty when every rank exited with a code of its own choosing (the script
-    said why)."""
+    ``report_dir``. Empty when the ranks that failed exited with a code of their own choosing
+    (the script said why) and the others were only stopped."""
     stacks = _stacks(report_dir)
     ends = {r: _end_of(r, f) for r, f in failures.items()}
     for r in stacks:  # alive when the agent stopped the job
@@ -276,8 +276,9 @@ def summarize(failures: dict[int, Any], report_dir: Path) -> str:
         hang = _hang(ends, stacks)
         if hang is not None:
             return "\n".join(hang)
-        if all(ends[r].kind == "exit" for r in failures):
-            return ""
+        kinds = {e.kind for e in ends.values()}
+        if "exit" in kinds and kinds <= {"exit", "stopped"}:
+            return ""  # the script chose its exit code (and said why); the rest were stopped
     root = (real or [e for e in by_time if e.kind != "stopped"] or by_time)[0]
     lines = [] if root.printed else _head(root, stacks)
     lines += [_one_line(ends[r], root) for r in sorted(ends) if r != root.rank]

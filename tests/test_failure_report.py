@@ -84,8 +84,11 @@ def test_a_crash_names_the_signal(tmp_path):
 def test_ranks_that_exit_with_their_own_code_add_nothing(tmp_path):
     """A demo that misses --target_f1 prints its verdict and exits 1 on every rank: that line
     stays the last one."""
-    got = {r: _failure(tmp_path, r, 1) for r in range(4)}
+    got = {r: _failure(tmp_path, r, 1) for r in range(3)}
+    got[3] = _failure(tmp_path, 3, -signal.SIGTERM)  # stopped by the agent after rank 0 exited
     assert failures.summarize(got, tmp_path / "report") == ""
+    got[1] = _failure(tmp_path, 1, 1, ValueError("boom"))
+    assert failures.summarize(got, tmp_path / "report").startswith("rank 1 failed: ValueError")
 
 
 WAITING = """Thread 0x2 (most recent call first):
