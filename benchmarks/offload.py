@@ -58,6 +58,9 @@ SIZES = {
     "tiny": (2, 64, 4),  # the code paths on the CPU (--device cpu)
     "350M": (24, 1024, 16),
     "760M": (24, 1536, 12),
+    "880M": (24, 1664, 13),
+    "1.0B": (24, 1792, 14),
+    "1.2B": (24, 1920, 15),
     "1.3B": (24, 2048, 16),
     "1.4B": (26, 2048, 16),
     "1.5B": (28, 2048, 16),
@@ -69,10 +72,10 @@ SIZES = {
     "6.1B": (40, 3584, 28),
     "6.7B": (32, 4096, 32),
 }
-LADDERS = {
-    "plain": "1.3B,1.4B,1.5B",
-    "zero3": "1.3B,1.4B,1.5B",
-    "gemini": "5.1B,5.7B,6.1B",
+LADDERS = {  # from below where the 24 GiB cap binds (plain: 1.3B runs out of memory)
+    "plain": "880M,1.0B,1.2B,1.3B",
+    "zero3": "880M,1.0B,1.2B,1.3B",
+    "gemini": "5.1B,5.7B,6.1B,6.7B",
 }
 QUICK = dict(n_layer=3, n_head=4, n_embd=64, block_size=16, vocab_size=128)
 
@@ -178,11 +181,10 @@ def config_of(setting: str, recompute: bool, accumulation: int) -> dict:
 def measure(setting: str, cfg, args) -> dict:
     """Build, warm up, time ``args.steps`` steps; one row of the table."""
     device = torch.device(args.device)
-    cap = None
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
-        cap = min(1.0, args.gpu_mem * GIB / total)
-        torch.cuda.set_per_process_memory_fraction(cap, device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_mem * GIB / total), device)
     if setting.startswith("gemini"):
         need = host_bytes(gemini_plan(cfg), 2)
         if need > args.host_mem * GB:
@@ -373,39 +375,46 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 def gpu_run(args) -> None:
     settings = ["plain", "zero3", "gemini"]
-    ladders = {s: getattr(args, s) for s in settings}
     best, probes = {}, []
     for s in settings:
-        best[s], seen = largest(s, ladders[s], args)
+        best[s], seen = largest(s, getattr(args, s), args)
         probes += seen
+    if args.dpu and best["gemini"]:
+        probes.append(run_probe("gemini-dpu", best["gemini"]["size"], args, args.accumulation))
+        best["gemini-dpu"] = probes[-1] if "fail" not in probes[-1] else None
     print_table(
         f"largest GPT under {args.gpu_mem:g} GiB of GPU memory (host cap {args.host_mem:g} GB), "
         f"{args.batch} x {args.seq} tokens x {args.accumulation} micro-steps per step, bf16",
         probes,
     )
+    names = ["plain", "gemini"] + (["gemini-dpu"] if args.dpu else [])
+    single = [run_probe(s, best[s]["size"], args, 1) for s in names if best.get(s)]
+    print_table("the largest sizes again, no accumulation", single)
+    _ratios(best, single)
     mid = [run_probe(s, args.mid, args, args.accumulation) for s in settings]
     if args.dpu:
         mid.append(run_probe("gemini-dpu", args.mid, args, args.accumulation))
     if args.peer == "deepspeed":
         mid += [run_probe(f"deepspeed-z{z}", args.mid, args, args.accumulation) for z in (2, 3)]
     print_table(f"fixed size {args.mid} in every setting", mid)
-    single = [run_probe(s, best[s]["size"], args, 1) for s in ("plain", "gemini") if best[s]]
-    print_table("the largest sizes again, 8 x 1024 tokens per step, no accumulation", single)
-    _ratios(best, single)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(largest=probes, mid=mid, single=single)))
 
 
 def _ratios(best: dict, single: list[dict]) -> None:
-    plain, gemini = best.get("plain"), best.get("gemini")
-    if not plain or not gemini:
-        return
-    print(
-        f"\nGemini's largest / plain's largest: {gemini['params'] / plain['params']:.2f}x "
-        f"parameters; model FLOP rate {gemini['tflops'] / plain['tflops']:.2f}x plain's"
-    )
+    plain = best.get("plain")
     rows = {r["setting"]: r for r in single if "fail" not in r}
-    if "plain" in rows and "gemini" in rows:
-        ratio = rows["gemini"]["tflops"] / rows["plain"]["tflops"]
-        print(f"at 8 x 1024 tokens per step without accumulation: {ratio:.2f}x")
+    for name in ("gemini", "gemini-dpu"):
+        row = best.get(name)
+        if not plain or not row:
+            continue
+        print(
+            f"\n{name}: largest / plain's largest {row['params'] / plain['params']:.2f}x "
+            f"parameters; model FLOP rate {row['tflops'] / plain['tflops']:.2f}x plain's"
+        )
+        if "plain" in rows and name in rows:
+            ratio = rows[name]["tflops"] / rows["plain"]["tflops"]
+            print(f"{name} without accumulation: {ratio:.2f}x plain's model FLOP rate")
 
 
 # ---- --quick: parity and the bytes formula on the CPU -------------------------------------------
@@ -523,9 +532,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
     for setting, ladder in LADDERS.items():
         p.add_argument(f"--{setting}", default=ladder, help=f"sizes to try for {setting}")
-    p.add_argument("--mid", default="1.3B", help="the size every setting trains")
+    p.add_argument("--mid", default="760M", help="the size every setting trains")
     p.add_argument("--dpu", action="store_true", help="also gemini with delayed_update")
     p.add_argument("--peer", choices=["deepspeed"], default=None)
+    p.add_argument("--out", default=None, help="also write every row as JSON here")
     p.add_argument("--probe-timeout", type=int, default=300)
     p.add_argument("--setting", default="gemini", help="probe: the setting")
     p.add_argument("--size", default="1.3B", help="probe: the size")
