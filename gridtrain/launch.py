@@ -47,21 +47,8 @@ def launch(
     ``timeout_s`` (default: the config's ``timeout_s``, 600) bounds every
     collective of every group: a rank left waiting for a stuck peer raises after it.
     """
-    cfg = Config.load(config)
+    cfg = _with_arguments(Config.load(config), timeout_s, seed)
     cfg.check_world_size(world_size)
-    if timeout_s is not None:
-        if isinstance(timeout_s, bool) or not (
-            isinstance(timeout_s, int | float)
-            and math.isfinite(timeout_s)
-            and 0 < timeout_s <= MAX_TIMEOUT_S
-        ):
-            raise ConfigError(
-                f"launch: timeout_s must be a number > 0 and <= {MAX_TIMEOUT_S:g} (c10d counts "
-                f"int64 nanoseconds), got {quote(timeout_s)}"
-            )
-        cfg = cfg.model_copy(update={"timeout_s": float(timeout_s)})  # the groups use it too
-    if cfg.seed is None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
-        raise ConfigError(f"launch: seed must be an int in [0, 2**63 - 1], got {quote(seed)}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -99,6 +86,25 @@ def launch(
     if rank == 0:
         logger.info("launched %r", ctx)
     return ctx
+
+
+def _with_arguments(cfg: Config, timeout_s: float | None, seed: int) -> Config:
+    """``cfg`` with ``launch()``'s ``timeout_s`` (the groups use it too), both arguments held
+    to the config's bounds."""
+    if cfg.seed is None and (type(seed) is not int or not 0 <= seed <= MAX_SEED):
+        raise ConfigError(f"launch: seed must be an int in [0, 2**63 - 1], got {quote(seed)}")
+    if timeout_s is None:
+        return cfg
+    if isinstance(timeout_s, bool) or not (
+        isinstance(timeout_s, int | float)
+        and math.isfinite(timeout_s)
+        and 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise ConfigError(
+            f"launch: timeout_s must be a number > 0 and <= {MAX_TIMEOUT_S:g} (c10d counts "
+            f"int64 nanoseconds), got {quote(timeout_s)}"
+        )
+    return cfg.model_copy(update={"timeout_s": float(timeout_s)})
 
 
 def _rendezvous_store(

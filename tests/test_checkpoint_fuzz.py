@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import importlib
 import io
-import json
 import os
 import pickle
 import random
 import shutil
-import zlib
 from pathlib import Path
 
 import torch
+from helpers.checkpoint_forge import forge_marker
 from helpers.harness import run_distributed
 from torch.distributed.checkpoint.metadata import Metadata
 
 import gridtrain as gt
 from gridtrain.engine.checkpoint import CheckpointError
 from gridtrain.engine.checkpoint import dcp_metadata as md
-from gridtrain.engine.checkpoint.files import MARKER
 
 TIMEOUT = 300
 STOP, REDUCE, NEWOBJ, BUILD = pickle.STOP, pickle.REDUCE, pickle.NEWOBJ, pickle.BUILD
@@ -160,17 +158,6 @@ def _save_both(ctx, directory):
     gt.save_checkpoint(f"{directory}/sharded", 3, model, opt, sharded=True, extra={"step": 7})
 
 
-def _forge(directory: Path) -> None:
-    """Recompute the marker's CRC-32s after a change, as someone rewriting files would."""
-    path = directory / MARKER
-    marker = json.loads(path.read_bytes().split(b"\n")[0])
-    for name in marker["files"]:
-        data = (directory / name).read_bytes()
-        marker["files"][name] = [len(data), zlib.crc32(data)]
-    line = json.dumps(marker, sort_keys=True)
-    path.write_text(f"{line}\ncrc32 {zlib.crc32(line.encode()):08x}\n")
-
-
 def _damage(path: Path, rng: random.Random, truncate: bool) -> str:
     data = bytearray(path.read_bytes())
     if truncate:
@@ -212,7 +199,7 @@ def _fuzz(ctx, directory, cases, seed):
             victim = target / rng.choice(names)
         what = _damage(victim, rng, truncate)
         if forged:
-            _forge(target)
+            forge_marker(target)
         kind, message = _load(target)
         out.append((fmt, forged, what, kind, message, str(target) in message))
     return out, _load(directory / "dense.pt"), _load(directory / "sharded")

@@ -9,17 +9,16 @@ dead processes are removed (or finished) by the next save.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
 import subprocess
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.checkpoint_forge import forge_marker
 from helpers.harness import run_distributed
 
 from gridtrain.engine.checkpoint import (
@@ -91,19 +90,6 @@ def test_malicious_dense_files_are_refused_and_nothing_runs(tmp_path):
     assert not marker.exists(), "the payload ran"
 
 
-def _forge_marker(directory: Path) -> None:
-    """What an attacker who rewrote a file would do next: list its new size and CRC-32 in the
-    completion marker, and give the marker a matching CRC line (CRCs catch damage, not
-    forgery: the loader itself must refuse the file)."""
-    path = directory / files.MARKER
-    marker = json.loads(path.read_bytes().split(b"\n")[0])
-    for name in marker["files"]:
-        data = (directory / name).read_bytes()
-        marker["files"][name] = [len(data), zlib.crc32(data)]
-    line = json.dumps(marker, sort_keys=True)
-    path.write_text(f"{line}\ncrc32 {zlib.crc32(line.encode()):08x}\n")
-
-
 def test_malicious_sharded_checkpoints_are_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "PWNED"
     good = tmp_path / "good"
@@ -115,7 +101,7 @@ def test_malicious_sharded_checkpoints_are_refused_and_nothing_runs(tmp_path):
     (bad_meta / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
     kind, message = run_distributed(_try_load, 1, str(bad_meta), timeout=TIMEOUT)[0]
     assert kind == "CorruptCheckpointError" and ".metadata" in message, "its CRC-32 differs"
-    _forge_marker(bad_meta)
+    forge_marker(bad_meta)
     kind, message = run_distributed(_try_load, 1, str(bad_meta), timeout=TIMEOUT)[0]
     assert kind == "UnsafeCheckpointError" and str(bad_meta) in message, message
     # a plain value (extra) holding an object: refused when read, naming the key and the path
@@ -264,7 +250,7 @@ def test_metadata_built_from_allowed_names_cannot_call_a_method(tmp_path):
     write = Call(getattr, Path, "write_text")
     payload = (Call(write, Call(Path, str(written)), "import os"),)
     (good / ".metadata").write_bytes(pickle.dumps(payload, protocol=4))
-    _forge_marker(good)
+    forge_marker(good)
     kind, message = run_distributed(_try_load, 1, str(good), timeout=TIMEOUT)[0]
     assert not written.exists(), "the pickle wrote a file"
     assert kind == "UnsafeCheckpointError" and str(good) in message, message

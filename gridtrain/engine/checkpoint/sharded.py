@@ -273,16 +273,7 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
         )
     targets.update({key: None for key in plain if key in md})
 
-    planner = _SafeLoadPlanner(f"'{path}'")
-    try:
-        dcp.load(targets, storage_reader=reader, planner=planner)
-    except CheckpointException as err:
-        cause = first_failure(err)
-        if isinstance(cause, CheckpointError):
-            raise cause from err
-        raise CheckpointError(
-            f"load_checkpoint: reading '{path}' failed: {type(cause).__name__}: {cause}"
-        ) from err
+    planner = _read(path, targets, reader)
     sync_model_from_masters(optimizer, ctx)
     try:  # plain values that do not fit what they are loaded into: a checkpoint error
         _load_values(optimizer, lr_scheduler, extra, planner.values, opt_targets, opt_entries)
@@ -293,6 +284,22 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
             f"load_checkpoint: '{path}' does not fit: {type(err).__name__}: {err}"
         ) from err
     return int(marker["epoch"])
+
+
+def _read(path: Path, targets: dict[str, Any], reader: _SafeReader) -> _SafeLoadPlanner:
+    """``dcp.load`` into ``targets``; returns the planner holding the plain values. Whatever
+    goes wrong reading the checkpoint is a ``CheckpointError``."""
+    planner = _SafeLoadPlanner(f"'{path}'")
+    try:
+        dcp.load(targets, storage_reader=reader, planner=planner)
+    except CheckpointException as err:
+        cause = first_failure(err)
+        if isinstance(cause, CheckpointError):
+            raise cause from err
+        raise CheckpointError(
+            f"load_checkpoint: reading '{path}' failed: {type(cause).__name__}: {cause}"
+        ) from err
+    return planner
 
 
 def _load_values(optimizer, lr_scheduler, extra, values, opt_targets, opt_entries) -> None:
