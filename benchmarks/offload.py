@@ -346,7 +346,7 @@ def run_probe(setting: str, size: str, args, accumulation: int) -> dict:
 def largest(setting: str, ladder: str, args) -> tuple[dict | None, list[dict]]:
     """Sizes in increasing order until one fails: the last that trained, and every probe."""
     best, seen = None, []
-    for size in ladder.split(","):
+    for size in filter(None, ladder.split(",")):
         row = run_probe(setting, size, args, args.accumulation)
         seen.append(row)
         if "fail" in row:
@@ -387,16 +387,22 @@ def gpu_run(args) -> None:
         f"{args.batch} x {args.seq} tokens x {args.accumulation} micro-steps per step, bf16",
         probes,
     )
-    names = ["plain", "gemini"] + (["gemini-dpu"] if args.dpu else [])
+    names = args.single.split(",")
     single = [run_probe(s, best[s]["size"], args, 1) for s in names if best.get(s)]
     print_table("the largest sizes again, no accumulation", single)
     _ratios(best, single)
+    if not args.mid:
+        return _write(args, probes, [], single)
     mid = [run_probe(s, args.mid, args, args.accumulation) for s in settings]
     if args.dpu:
         mid.append(run_probe("gemini-dpu", args.mid, args, args.accumulation))
     if args.peer == "deepspeed":
         mid += [run_probe(f"deepspeed-z{z}", args.mid, args, args.accumulation) for z in (2, 3)]
     print_table(f"fixed size {args.mid} in every setting", mid)
+    _write(args, probes, mid, single)
+
+
+def _write(args, probes: list, mid: list, single: list) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(dict(largest=probes, mid=mid, single=single)))
 
@@ -532,8 +538,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
     for setting, ladder in LADDERS.items():
         p.add_argument(f"--{setting}", default=ladder, help=f"sizes to try for {setting}")
-    p.add_argument("--mid", default="760M", help="the size every setting trains")
+    p.add_argument("--mid", default="760M", help="the size every setting trains ('' skips)")
     p.add_argument("--dpu", action="store_true", help="also gemini with delayed_update")
+    p.add_argument(
+        "--single", default="plain,gemini,gemini-dpu", help="largest sizes rerun unaccumulated"
+    )
     p.add_argument("--peer", choices=["deepspeed"], default=None)
     p.add_argument("--out", default=None, help="also write every row as JSON here")
     p.add_argument("--probe-timeout", type=int, default=300)

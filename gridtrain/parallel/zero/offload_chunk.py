@@ -24,7 +24,7 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import copy_tags
 from gridtrain.parallel.zero.offload_plan import ChunkShape
-from gridtrain.parallel.zero.offload_streams import Streams
+from gridtrain.parallel.zero.offload_streams import Streams, host_buffer
 from gridtrain.parallel.zero.partition import (
     all_gather_single,
     as_rows,
@@ -82,10 +82,10 @@ class Chunk:
             offset, seg = offset + slot.numel, seg + slot.shard.padded
         self.numel, self.segment = offset, seg
         pin = ctx.device.type == "cuda"
-        self.masters = torch.zeros(seg, dtype=self.master_dtype, pin_memory=pin)
-        self.grads = torch.zeros(seg, dtype=self.master_dtype, pin_memory=pin)
+        self.masters = host_buffer(seg, self.master_dtype, pin)
+        self.grads = host_buffer(seg, self.master_dtype, pin)
         separate = not resident and compute_dtype != self.master_dtype
-        self.home = torch.empty(seg, dtype=compute_dtype, pin_memory=pin) if separate else None
+        self.home = host_buffer(seg, compute_dtype, pin) if separate else None
         self.flat = torch.empty(self.numel, dtype=compute_dtype, device=ctx.device)
         self.present = True  # the device buffer holds storage
         self.ready = None  # event: the last fetch or upload into ``flat`` is done
