@@ -52,7 +52,7 @@ FORMATS = ("dense", "sharded", "async")
 class Block(nn.Module):
     def __init__(self, hidden: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_dim = hidden // heads  # from the configuration: under 1d q/k/v are split
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
         self.out = nn.Linear(hidden, hidden)
@@ -62,7 +62,7 @@ class Block(nn.Module):
         b, s, _ = x.shape
         h = self.ln1(x)
         q, k, v = (
-            t.reshape(b, s, self.heads, -1).transpose(1, 2)
+            t.reshape(b, s, -1, self.head_dim).transpose(1, 2)
             for t in (self.q(h), self.k(h), self.v(h))
         )
         a = (

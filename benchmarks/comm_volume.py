@@ -34,6 +34,7 @@ statistics and the gathers of split biases / LayerNorm weights.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import socket
 import statistics
@@ -61,7 +62,7 @@ LAYOUTS = [
     ("2.5d", 8, 2),
     ("3d", 8, 1),
 ]
-HEAD_DIM = 16
+HEAD_DIM = 8  # 8 heads at h = 64: they split over every CPU layout (1d on 8 ranks too)
 
 
 class Block(nn.Module):
@@ -124,10 +125,13 @@ def _worker(rank, world, port, mode, depth, sizes, dtype_name, steps, queue):
         torch.manual_seed(0)
         # the engine's plan and layers (gt.initialize does the same, plus an optimizer), for
         # the block as it sits in a model: its output feeds a later Linear, not the loss
-        # (traced alone, proj and fc2 reach the output, so 2d/3d would gather them as heads)
-        model = nn.Sequential(Block(h, dtype), gnn.Linear(h, h, dtype=dtype))
+        # (traced alone, proj and fc2 reach the output, so 2d/3d would gather them as heads),
+        # and its input comes from a Linear (2d/3d hand a model its input full width, which
+        # only a Linear takes; the block starts with a norm)
+        linear = functools.partial(gnn.Linear, h, h, dtype=dtype)
+        model = nn.Sequential(linear(), Block(h, dtype), linear())
         apply_plan(model, build_plan(model, ctx, torch.zeros(b, s, h, dtype=dtype)), ctx)
-        block = model[0].to(ctx.device)
+        block = model[1].to(ctx.device)
         rows, cols = grid_sizes(mode, world, depth)
         x = torch.randn(b // rows, s, h // cols, dtype=dtype, device=ctx.device)
 

@@ -18,6 +18,7 @@ from gridtrain.config import Config, ConfigError
 from gridtrain.estimate.layout import TensorShards, tensor_shards
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.parallel.pipeline.partition import partition
+from gridtrain.parallel.tensor.local_shapes import head_split
 from gridtrain.parallel.tensor.plan import PlanError
 
 
@@ -175,7 +176,7 @@ class Scenario:
             raise EstimateError(f"attention must be 'flash' or 'math', got {self.attention!r}")
         if self.recompute not in ("none", "full"):
             raise EstimateError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
-        heads_split, what = _heads_split(mode, t, self.depth)
+        heads_split, what = head_split(mode, t, self.depth)
         for name, n in (("heads", spec.heads), ("key/value heads", spec.num_kv_heads)):
             if n % heads_split:
                 raise EstimateError(
@@ -311,19 +312,6 @@ def _zero_of(cfg: Config) -> tuple[int, bool]:
     if isinstance(zero, dict):
         return int(zero.get("stage", 0) or 0), bool(zero.get("offload", False))
     return int(getattr(zero, "stage", 0) or 0), bool(getattr(zero, "offload", False))
-
-
-def _heads_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
-    """How many ways attention heads are split, and by which group."""
-    if mode == "1d":
-        return t, f"PARALLEL_1D ({t} ranks)"
-    if mode in ("2d", "2.5d"):
-        q = math.isqrt(t // depth)
-        return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
-    if mode == "3d":
-        d = round(t ** (1 / 3))
-        return d, f"the cube's hidden axis (d = {d})"
-    return 1, "no group"
 
 
 def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
