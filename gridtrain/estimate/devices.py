@@ -34,6 +34,7 @@ class DeviceSpec:
     alpha_inter: float = 8e-6  # seconds per collective step across nodes
     efficiency: float = 0.7  # fraction of peak that large GEMMs reach
     pcie: float = 25e9  # host link (ZeRO offload), bytes/s
+    cpu_adam: float = 3.8e9  # host AdamW, parameters/s (torch's fused CPU kernel, 16 cores)
     fused_rms_norm: bool = True  # CUDA's fused RMSNorm keeps input + rstd; CPU's composite more
 
     def peak_for(self, amp: str | None) -> float:

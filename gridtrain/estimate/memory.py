@@ -71,6 +71,8 @@ class ModelStates:
     steps: float
     host: float = 0.0
     gathered: float = 0.0
+    pcie_h2d: float = 0.0  # Gemini: bytes over the host link per optimizer step
+    pcie_d2h: float = 0.0
 
     @property
     def optimizer(self) -> float:
@@ -109,6 +111,8 @@ def model_states(shapes, sc: Scenario, largest_layer: int = 0) -> ModelStates:
         return ModelStates(full * nb["w"], full * nb["w"], masters, masters, full * 8, tensors * 4)
     rows = sum(owned(shape, sc.zero_group) * k for shape, k in shapes)
     steps = tensors * 4
+    if sc.zero == 3 and sc.offload:
+        return gemini_states(full, rows, steps, sc, largest_layer)
     if sc.zero == 3:
         gathered = 2 * largest_layer * (2 if sc.amp in ("naive", "bf16") else 4)
         states = ModelStates(rows * 4, rows * 4, 0, 0, rows * 8, steps, 0.0, gathered)
@@ -127,6 +131,27 @@ def model_states(shapes, sc: Scenario, largest_layer: int = 0) -> ModelStates:
             states, master_weights=0, master_grads=0, moments=0, steps=0, host=moved
         )
     return states
+
+
+def gemini_states(full: int, rows: int, steps: int, sc: Scenario, largest_layer: int):
+    """Stage 3 with offload as ``parallel/zero/offload.py`` runs it, every chunk resident
+    (``offload_plan``'s formulas): the device keeps a compute-dtype copy of every parameter
+    (2 bytes under amp) and two chunks' fp32 gradient buffers in flight; the host keeps the
+    rank's rows of fp32 masters, gradients and Adam's moments (16 bytes each); each backward
+    sends the gradient rows (4 bytes) and each step brings the masters' rows back (4 bytes)."""
+    compute = 2 if sc.amp is not None else 4
+    return ModelStates(
+        weights=full * compute,
+        grads=0,
+        master_weights=0,
+        master_grads=0,
+        moments=0,
+        steps=0,
+        host=rows * 16 + steps,
+        gathered=2 * largest_layer * 4,
+        pcie_h2d=rows * 4,
+        pcie_d2h=rows * 4 * sc.micro_batches,
+    )
 
 
 # ---- activations -----------------------------------------------------------------------------

@@ -61,7 +61,12 @@ def _memory(e: Estimate) -> list[str]:
     zero = f", ZeRO-{sc.zero} over {sc.zero_group}" if sc.zero else ""
     wdt = "fp16" if nb["w"] == 2 else "fp32"
     mine = "this rank's rows" + zero
-    if sc.zero == 3:  # FSDP2: fp32 rows of parameters and gradients, which are the masters
+    if st.pcie_d2h:  # Gemini: compute-dtype copies on the device, the rest on the host
+        cdt = "fp32" if sc.amp is None else "16-bit"
+        rows = [("parameters", f"{w.params / 1e9:.3f}B on the stage; {cdt} copies, all resident",
+                 st.weights),
+                ("gradient buffers", "fp32, two chunks in flight to the host", st.gathered)]  # fmt: skip
+    elif sc.zero == 3:  # FSDP2: fp32 rows of parameters and gradients, which are the masters
         rows = [("parameters", f"{w.params / 1e9:.3f}B on the stage; fp32 {mine}", st.weights),
                 ("gradients", f"fp32 {mine}", st.grads),
                 ("gathered layers", "unsharded for compute, two at a time", st.gathered)]  # fmt: skip
@@ -90,9 +95,14 @@ def _memory(e: Estimate) -> list[str]:
     out = [f"memory per rank ({where})"]
     out += [f"  {name:<18} {what:<58} {_gib(b):>8} GiB" for name, what, b in rows]
     if st.host:
-        out.append(
-            f"  {'(host memory)':<18} {'ZeRO offload: optimizer states':<58} {_gib(st.host):>8} GiB"
-        )
+        what = "ZeRO offload: optimizer states"
+        if st.pcie_d2h:
+            what = "Gemini: fp32 masters, gradients, Adam moments"
+        out.append(f"  {'(host memory)':<18} {what:<58} {_gib(st.host):>8} GiB")
+    if st.pcie_d2h:
+        link = f"host link per step: {st.pcie_h2d / 1e9:.2f} GB to the device, "
+        link += f"{st.pcie_d2h / 1e9:.2f} GB back"
+        out.append(f"  {'(PCIe)':<18} {link:<58}")
     total, cap = e.memory, e.device.memory
     verdict = (
         f"fits ({_gib(cap - total)} GiB free)"

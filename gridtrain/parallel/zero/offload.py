@@ -81,17 +81,7 @@ class OffloadZero:
         sizes = [sum(p.numel() for _, _, p in params) for _, params in groups]
         resident = place(sizes, dtype, ctx.device, device_param_mb)
         self.chunks: list[Chunk] = []
-        new_of: dict[int, nn.Parameter] = {}
-        for (unit, params), keep in zip(groups, resident, strict=True):
-            mode = get_dp_mode(params[0][2], ctx)
-            chunk = Chunk(len(self.chunks), params, mode, ctx, dtype, keep, unit)
-            self.chunks.append(chunk)
-            for slot, (_, _, p) in zip(chunk.slots, params, strict=True):
-                new_of[id(p)] = slot.master
-                _move_state(optimizer, p, slot)
-                p.data = torch.empty(0, dtype=p.dtype)  # the full fp32 copy is not kept
-            chunk.swap(compute=False)
-        rebind_optimizer(optimizer, new_of)
+        rebind_optimizer(optimizer, self._build_chunks(groups, resident, dtype, optimizer))
         _fuse_on_cpu(optimizer)
         for module in model.modules():  # buffers compute on the device; parameters do not move
             for name, buf in module._buffers.items():
@@ -117,6 +107,28 @@ class OffloadZero:
             dtype,
             sum(not c.resident for c in self.chunks),
         )
+
+    def _build_chunks(self, groups, resident, dtype, optimizer) -> dict[int, nn.Parameter]:
+        """The chunks, each made from its parameters' values, which are then dropped; an
+        allocation that fails names what fits (``offload_plan``'s bytes, as the estimate's)."""
+        new_of: dict[int, nn.Parameter] = {}
+        for (unit, params), keep in zip(groups, resident, strict=True):
+            mode = get_dp_mode(params[0][2], self.ctx)
+            try:
+                chunk = Chunk(len(self.chunks), params, mode, self.ctx, dtype, keep, unit)
+            except torch.OutOfMemoryError as e:
+                raise _device_full(self.chunks) from e
+            except (MemoryError, RuntimeError) as e:
+                if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
+                    raise
+                raise _host_full(self.chunks, groups, self.ctx) from e
+            self.chunks.append(chunk)
+            for slot, (_, _, p) in zip(chunk.slots, params, strict=True):
+                new_of[id(p)] = slot.master
+                _move_state(optimizer, p, slot)
+                p.data = torch.empty(0, dtype=p.dtype)  # the full fp32 copy is not kept
+            chunk.swap(compute=False)
+        return new_of
 
     def _check_all_resident(self, device_param_mb: float | None) -> None:
         streamed = [c for c in self.chunks if not c.resident]
@@ -352,6 +364,31 @@ class OffloadZero:
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes copied host-to-device and device-to-host since the engine was built."""
         return {"h2d": self.bytes_h2d, "d2h": self.bytes_d2h}
+
+
+def _device_full(built: list[Chunk]) -> MemoryError:
+    placed = sum(c.param_bytes() for c in built if c.resident) / 2**20
+    return MemoryError(
+        f"zero offload (Gemini): out of device memory placing chunk {len(built)} after "
+        f"{placed:.0f} MiB of resident parameters; set zero.device_param_mb to at most "
+        f"{0.8 * placed:.0f} so the rest streams (`gridtrain estimate --zero 3 --offload` "
+        "gives the device bytes of every setting)"
+    )
+
+
+def _host_full(built: list[Chunk], groups, ctx: ParallelContext) -> MemoryError:
+    done = sum(c.segment * c.masters.element_size() * 2 for c in built) / 1e9
+    params = sum(p.numel() for _, ps in groups for _, _, p in ps)
+    n = max((c.n for c in built), default=1)
+    need = 16 * params / n / 1e9  # masters, gradients, two Adam moments (offload_plan)
+    fits = done * 1e9 * n / 16  # parameters whose 16 / n bytes the allocated memory holds
+    return MemoryError(
+        f"zero offload (Gemini): out of host memory after {done:.1f} GB of the {need:.1f} GB "
+        f"this rank keeps for {params / 1e9:.2f}B parameters (16 bytes each over {n} data "
+        f"ranks: fp32 master, gradient, two Adam moments); this host holds about "
+        f"{fits / 1e9:.2f}B parameters per data rank: more data ranks or a smaller model "
+        "(`gridtrain estimate --zero 3 --offload` counts the same host bytes)"
+    )
 
 
 def _cast_floats(dtype: torch.dtype):
