@@ -47,7 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gridtrain as gt  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.parallel.zero.offload_plan import (  # noqa: E402
+    AUTO_FRACTION,
     ChunkShape,
+    device_param_bytes,
     host_bytes,
     transfer_per_step,
 )
@@ -303,15 +305,22 @@ def probe(args) -> None:
         else:
             row = measure(args.setting, cfg, args)
     except torch.OutOfMemoryError as e:
-        row = dict(setting=args.setting, params=cfg.num_params(), fail=_oom(e))
+        row = dict(setting=args.setting, params=cfg.num_params(), fail=_oom(e, cfg, args))
     except MemoryError as e:
         row = dict(setting=args.setting, params=cfg.num_params(), fail=str(e))
     print("PROBE " + json.dumps(row), flush=True)
 
 
-def _oom(error: Exception) -> str:
-    text = str(error).splitlines()[0]
-    return "out of GPU memory: " + text[:120]
+def _oom(error: Exception, cfg, args) -> str:
+    """The failure, and the setting that fits by ``offload_plan`` (the estimate's bytes)."""
+    text = str(error).splitlines()[0].split(". GPU")[0]
+    params = device_param_bytes(gemini_plan(cfg), 2) / GIB
+    if args.setting.startswith("gemini"):
+        fit = max(0.0, args.gpu_mem * GIB * AUTO_FRACTION - 2 * GIB) / 2**20
+        hint = f"zero.device_param_mb={fit:.0f} streams the rest"
+    else:
+        hint = f"zero=dict(stage=3, offload=True) keeps {params:.1f} GiB of bf16 parameters"
+    return f"out of GPU memory ({text}); {hint}"
 
 
 # ---- the search and the table -----------------------------------------------------------------
