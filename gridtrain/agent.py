@@ -10,7 +10,8 @@ with three changes.
   of their own (torch's choice), so without it they would outlive an agent killed by SIGKILL.
 - A failed job ends with ``gridtrain.failures.summarize`` (the first error once, one line per
   other rank, the rank that never arrived in a hang) instead of torch's per-rank failure
-  table; the worker processes' own bookkeeping goes in a temporary report directory.
+  table; the worker processes' own bookkeeping goes in a temporary report directory. A
+  signal passed on by ``gridtrain run`` ends it with one line, not torch's traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from datetime import timedelta
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from gridtrain import failures
@@ -92,6 +95,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
         raise SystemExit(1) from None
+    except SignalException as err:  # gridtrain run passed on a signal: torch stopped the workers
+        sys.stderr.write(
+            f"stopped by {signal.Signals(err.sigval).name}; every worker was stopped\n"
+        )
+        raise SystemExit(128 + err.sigval) from None
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
 
