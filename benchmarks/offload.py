@@ -96,6 +96,7 @@ def build(cfg: gpt_model.GPTConfig, device) -> torch.nn.Module:
     with torch.device("meta"):
         model = gpt_model.GPT(cfg)
     model.to_empty(device=device)
+    model.head.classifier.weight = model.embed.tok.weight  # to_empty gives each use its own
     tile = torch.empty(1 << 20, device=device).normal_(0.0, 0.02)
     for name, p in model.named_parameters():
         if name.endswith(".bias"):
