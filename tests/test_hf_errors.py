@@ -114,3 +114,47 @@ def test_sequence_refuses_labels_given_to_the_model():
     """HF shifts labels= inside the model: across sequence shards that would be wrong."""
     for message in run_distributed(_labels_to_model, 2, config=_tensor(2, "sequence"), timeout=600):
         assert message is not None and "shift the labels yourself" in message, message
+
+
+class ShiftedEmbedding(torch.nn.Embedding):
+    """Does more than look up rows: a parallel embedding replacing it would drop the shift."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 1.0
+
+
+def _swap_error(ctx, path: str):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class DoubledRMSNorm(LlamaRMSNorm):  # neither weight * x / rms(x) nor (1 + weight) * ...
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = tiny_model("llama")
+    old = model.get_submodule(path)
+    if path.endswith("norm"):
+        new = DoubledRMSNorm(old.weight.shape[0], old.variance_epsilon)
+    else:
+        new = ShiftedEmbedding(old.num_embeddings, old.embedding_dim)
+    model.set_submodule(path, new.to(torch.float64))
+    try:
+        gt.initialize(model, adamw(model), lm_loss)
+    except ValueError as err:
+        return type(err).__name__, str(err)
+    return None, None
+
+
+@pytest.mark.parametrize(
+    "path, words",
+    [
+        ("model.norm", ["'model.norm'", "DoubledRMSNorm", "(1 + weight)"]),
+        ("model.embed_tokens", ["'model.embed_tokens'", "ShiftedEmbedding", "replicate"]),
+    ],
+)
+def test_a_layer_replaced_by_something_else_is_refused_by_name(path, words):
+    """Under 2d the planner replaces every norm and embedding: one whose forward differs from
+    what gridtrain's layers compute is named before any weight moves."""
+    for kind, message in run_distributed(_swap_error, 4, path, config=_tensor(4, "2d")):
+        assert kind == "PlanError", message
+        for w in words:
+            assert w in message, message

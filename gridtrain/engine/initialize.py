@@ -166,6 +166,7 @@ def initialize(
         from gridtrain.engine.pipeline import prepare_pipeline
 
         model, optimizer, schedule = prepare_pipeline(model, optimizer, ctx)
+        plan.stages = model.stage_table  # printed with the plan
     else:
         schedule = NonPipelineSchedule()
         if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):

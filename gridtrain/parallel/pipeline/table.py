@@ -37,9 +37,9 @@ class StageTable:
 
     def __str__(self) -> str:
         head = (
-            f"pipeline stages: {len(self.rows)}, partition {self.method!r}, "
-            f"{self.total_params:,} parameters (dense; a weight tied across stages counts on "
-            f"each; compute = parameters multiplied, embeddings none)"
+            f"pipeline stages: {len(self.rows)}, partition {self.method!r}; share of the model's "
+            f"{self.total_params:,} parameters (a tied weight counts on each stage holding it) "
+            "and of its compute (multiplied weights)"
         )
         rows = [("stage", "layers", "parameters", "share", "compute")]
         for r in self.rows:
