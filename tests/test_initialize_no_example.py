@@ -1,6 +1,7 @@
 """``gt.initialize(model, optimizer, criterion)`` with neither a dataloader nor ``example_inputs``
-trains in every layout: the planner builds its trace input from the model's entry layer.
-Each layout gives one process's losses while each rank holds only its share."""
+trains in every layout: the planner (and chunked_loss's head finding) builds its trace input
+from the model's entry layer. Each layout gives one process's losses while each rank holds
+only its share."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ LAYOUTS = {
         "plain",
         1 / 2,
     ),
+    "dp2-chunked_loss": (2, dict(chunked_loss=dict(chunk_tokens=32)), "plain", 1.0),
     "dp2-1d2-zero2": (
         4,
         dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=dict(stage=2)),
@@ -92,8 +94,8 @@ def test_initialize_needs_no_example_input(name):
         dense, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
     )
     results = run_distributed(_train, world, batches, model_name, config=config, timeout=300)
-    data = world // (config["parallel"].get("pipeline", 1) * config["parallel"]["tensor"]["size"])
-    replica = world // data
+    parallel = config.get("parallel", {})
+    replica = parallel.get("pipeline", 1) * parallel.get("tensor", {}).get("size", 1)
     # each data rank reports its rows' mean: their mean is the dense loss
     losses = torch.tensor([r[0] for r in results[::replica]], dtype=torch.float64).mean(0)
     # float64: layouts only reorder sums (measured <= 1e-15 relative)
