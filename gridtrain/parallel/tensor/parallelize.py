@@ -2,7 +2,8 @@
 sharded layer, under the same module path (so state dict keys stay the dense ones).
 
 ``build_plan`` decides everything and checks it on meta copies of the layers
-(divisibility, ties, the data flow) before a single weight moves;
+(divisibility, ties, the data flow) and on the model's forward run with this
+rank's shapes (``local_shapes.py``) before a single weight moves;
 ``apply_plan`` then builds each sharded layer from the dense one's current
 weights and returns the old -> new parameter map the optimizer is rebound with.
 """
