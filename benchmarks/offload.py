@@ -250,17 +250,7 @@ def deepspeed_measure(stage: int, cfg, args) -> dict:
         block.forward = functools.partial(
             torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False
         )
-    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if stage == 3:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": args.accumulation,
-        "bf16": {"enabled": True},
-        "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-    }
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, config=_deepspeed_config(stage, args))
     loss_fn = gpt_model.GPTLoss()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).cuda()
@@ -295,6 +285,19 @@ def deepspeed_measure(stage: int, cfg, args) -> dict:
         loss=loss.item(),
         accumulation=args.accumulation,
     )
+
+
+def _deepspeed_config(stage: int, args) -> dict:
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": args.accumulation,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    }
 
 
 def probe(args) -> None:

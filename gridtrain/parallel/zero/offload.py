@@ -53,6 +53,12 @@ from gridtrain.parallel.zero.fsdp import units
 from gridtrain.parallel.zero.offload_chunk import Chunk
 from gridtrain.parallel.zero.offload_delayed import DelayedStep
 from gridtrain.parallel.zero.offload_plan import compute_dtype, group_units, place
+from gridtrain.parallel.zero.offload_setup import (
+    device_full,
+    fuse_on_cpu,
+    host_full,
+    move_state,
+)
 from gridtrain.parallel.zero.offload_streams import HostGrads, Streams
 
 logger = logging.getLogger("gridtrain")
@@ -82,7 +88,7 @@ class OffloadZero:
         resident = place(sizes, dtype, ctx.device, device_param_mb)
         self.chunks: list[Chunk] = []
         rebind_optimizer(optimizer, self._build_chunks(groups, resident, dtype, optimizer))
-        _fuse_on_cpu(optimizer)
+        fuse_on_cpu(optimizer)
         for module in model.modules():  # buffers compute on the device; parameters do not move
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -117,15 +123,15 @@ class OffloadZero:
             try:
                 chunk = Chunk(len(self.chunks), params, mode, self.ctx, dtype, keep, unit)
             except torch.OutOfMemoryError as e:
-                raise _device_full(self.chunks) from e
+                raise device_full(self.chunks) from e
             except (MemoryError, RuntimeError) as e:
                 if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                     raise
-                raise _host_full(self.chunks, groups, self.ctx) from e
+                raise host_full(self.chunks, groups) from e
             self.chunks.append(chunk)
             for slot, (_, _, p) in zip(chunk.slots, params, strict=True):
                 new_of[id(p)] = slot.master
-                _move_state(optimizer, p, slot)
+                move_state(optimizer, p, slot)
                 p.data = torch.empty(0, dtype=p.dtype)  # the full fp32 copy is not kept
             chunk.swap(compute=False)
         return new_of
@@ -366,56 +372,8 @@ class OffloadZero:
         return {"h2d": self.bytes_h2d, "d2h": self.bytes_d2h}
 
 
-def _device_full(built: list[Chunk]) -> MemoryError:
-    placed = sum(c.param_bytes() for c in built if c.resident) / 2**20
-    return MemoryError(
-        f"zero offload (Gemini): out of device memory placing chunk {len(built)} after "
-        f"{placed:.0f} MiB of resident parameters; set zero.device_param_mb to at most "
-        f"{0.8 * placed:.0f} so the rest streams (`gridtrain estimate --zero 3 --offload` "
-        "gives the device bytes of every setting)"
-    )
-
-
-def _host_full(built: list[Chunk], groups, ctx: ParallelContext) -> MemoryError:
-    done = sum(c.segment * c.masters.element_size() * 2 for c in built) / 1e9
-    params = sum(p.numel() for _, ps in groups for _, _, p in ps)
-    n = max((c.n for c in built), default=1)
-    need = 16 * params / n / 1e9  # masters, gradients, two Adam moments (offload_plan)
-    fits = done * 1e9 * n / 16  # parameters whose 16 / n bytes the allocated memory holds
-    return MemoryError(
-        f"zero offload (Gemini): out of host memory after {done:.1f} GB of the {need:.1f} GB "
-        f"this rank keeps for {params / 1e9:.2f}B parameters (16 bytes each over {n} data "
-        f"ranks: fp32 master, gradient, two Adam moments); this host holds about "
-        f"{fits / 1e9:.2f}B parameters per data rank: more data ranks or a smaller model "
-        "(`gridtrain estimate --zero 3 --offload` counts the same host bytes)"
-    )
-
-
 def _cast_floats(dtype: torch.dtype):
     def cast(t):
         return t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
 
     return cast
-
-
-def _move_state(optimizer: Optimizer, p: Tensor, slot) -> None:
-    """Optimizer state loaded before ``initialize``: keep this rank's rows, on the host."""
-    state = optimizer.state.pop(p, None)
-    if state is None:
-        return
-    lo, hi = slot.shard.lo, slot.shard.hi
-    optimizer.state[slot.master] = {
-        k: v[lo:hi].clone().cpu() if isinstance(v, Tensor) and v.shape == p.shape and v.dim() else v
-        for k, v in state.items()
-    }
-
-
-def _fuse_on_cpu(optimizer: Optimizer) -> None:
-    """torch's fused CPU kernel for Adam and AdamW groups (vectorised and multi-threaded)."""
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        return
-    for group in optimizer.param_groups:
-        if group.get("differentiable") or group.get("capturable"):
-            continue
-        if all(p.device.type == "cpu" and p.is_floating_point() for p in group["params"]):
-            group["fused"], group["foreach"] = True, False
