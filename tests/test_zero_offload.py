@@ -226,3 +226,19 @@ def test_delayed_update_is_zero_offloads_one_step_stale_update():
     exact, _ = _dense(batches)
     delayed = _global_losses(results, config)
     assert delayed[-1] < delayed[0] - 0.5 * (exact[0] - exact[-1]), (delayed, exact)
+
+
+def test_estimate_counts_gemini_as_the_runtime_moves_it():
+    """``gridtrain estimate`` (process-free) gives Gemini's bytes by the runtime's formula
+    (``offload_plan``): 16 bytes per parameter on the host, bf16 copies on the device, each
+    backward sending the gradients (4 bytes) and each step bringing the masters back."""
+    from gridtrain import estimate as est
+
+    spec = est.get_model("gpt2-124m")
+    sc = est.Scenario(world=1, micro_batch=2, accumulation=3, amp="bf16", zero=3, offload=True)
+    states = est.estimate(spec, sc, est.get_device("h200-141g")).worst.states
+    params = states.pcie_h2d / 4
+    assert params == pytest.approx(124e6, rel=0.05)  # GPT-2 small, every parameter resident
+    assert 0 <= states.host - 16 * params < 1e4  # + the 4-byte step counters
+    assert states.pcie_d2h == 3 * states.pcie_h2d  # one gradient send per backward
+    assert states.weights == 2 * params  # bf16 copies of every parameter
