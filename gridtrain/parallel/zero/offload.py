@@ -89,10 +89,12 @@ class OffloadZero:
         self.chunks: list[Chunk] = []
         rebind_optimizer(optimizer, self._build_chunks(groups, resident, dtype, optimizer))
         fuse_on_cpu(optimizer)
+        half = amp is AMP_TYPE.NAIVE  # naive fp16 runs the whole model in fp16, buffers too
         for module in model.modules():  # buffers compute on the device; parameters do not move
             for name, buf in module._buffers.items():
                 if buf is not None:
-                    module._buffers[name] = buf.to(ctx.device)
+                    dtype = torch.float16 if half and buf.is_floating_point() else buf.dtype
+                    module._buffers[name] = buf.to(ctx.device, dtype)
         largest = max((c.segment for c in self.chunks), default=0)
         master = self.chunks[0].master_dtype if self.chunks else torch.float32
         self.host = HostGrads(self.streams, largest, master)
