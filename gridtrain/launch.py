@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gridtrain import failures
+from gridtrain import failure_record
 from gridtrain.config import Config, ConfigError
 from gridtrain.config_sections import MAX_SEED, MAX_TIMEOUT_S, quote
 from gridtrain.parallel.context import ParallelContext, set_context, wait_for_idle_workers
@@ -120,7 +120,7 @@ def _rendezvous_store(
       loopback only. torch's TCPStore server listens on every interface whatever
       ``host`` says, so rank 0 binds the socket itself and hands it over
       (``master_listen_fd``). ``gridtrain run`` does the same for the agent's store
-      (``gridtrain.agent``).
+      (``gridtrain.cli.agent``).
     """
     agent = (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -193,10 +193,10 @@ def launch_from_torch(
     """Launch from the variables torchrun / ``gridtrain run`` set (RANK, WORLD_SIZE, ...).
 
     With ``config=None`` the path given to ``gridtrain run --config`` is used.
-    ``timeout_s`` defaults to the config's. ``gridtrain.failures`` says what a
+    ``timeout_s`` defaults to the config's. ``gridtrain.failure_record`` says what a
     failing or stuck rank prints.
     """
-    failures.install()
+    failure_record.install()
     return launch(
         _config_from_env(config),
         rank=_env_int("RANK"),

@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 from helpers.harness import free_port
 
-from gridtrain import cli
-from gridtrain.cli_hosts import RunSpec, build_host_commands, parse_hostfile
-from gridtrain.cli_procs import exit_code as exit_code_of
+from gridtrain.cli.hosts import RunSpec, build_host_commands, parse_hostfile, torchrun_command
+from gridtrain.cli.main import build_parser, main
+from gridtrain.cli.procs import exit_code as exit_code_of
+from gridtrain.cli.procs import run_hosts
+from gridtrain.cli.run import run_spec
 from gridtrain.launch import CONFIG_ENV
 
 CONFIG_2D = 'parallel = dict(tensor=dict(size=4, mode="2d"))\n'
-TORCHRUN = ["-m", "gridtrain.agent"]  # torch.distributed.run, store bound to loopback
+TORCHRUN = ["-m", "gridtrain.cli.agent"]  # torch.distributed.run, store bound to loopback
 SSH = ["ssh", "-tt"]  # -tt: the remote launcher is hung up when the local ssh ends
 
 
@@ -44,7 +46,7 @@ def no_process(monkeypatch):
 
 def exit_code(argv):
     try:
-        return cli.main(argv)
+        return main(argv)
     except SystemExit as stop:
         return stop.code
 
@@ -161,14 +163,14 @@ def test_bad_hostfile_line_names_the_file_and_line():
 
 # ---- the exact commands ---------------------------------------------------------------------
 def spec_for(argv):
-    parser = cli.build_parser()
-    return cli.run_spec(parser.parse_args(["run", *argv]))
+    parser = build_parser()
+    return run_spec(parser.parse_args(["run", *argv]))
 
 
 def remote(host, node_rank, nnodes, master="node1", nproc=4, port=29500, exports=""):
     return (
         f"cd '/work dir' && export {exports}GRIDTRAIN_CONFIG=/cfg/config.py && exec /py "
-        f"-m gridtrain.agent --nproc_per_node {nproc} --nnodes {nnodes} "
+        f"-m gridtrain.cli.agent --nproc_per_node {nproc} --nnodes {nnodes} "
         f"--node_rank {node_rank} --master_addr {master} --master_port {port} train.py --lr 0.1"
     )
 
@@ -235,27 +237,27 @@ def test_local_run_passes_an_absolute_config_and_the_child_exit_code(files, monk
 
     monkeypatch.setattr(subprocess, "Popen", FakeLauncher)
     argv = ["--nproc_per_node", "4", "--master_port", "1234", "--config", "config.py"]
-    assert cli.main(run_args(*argv, "train.py", "--epochs", "2")) == 7
+    assert main(run_args(*argv, "train.py", "--epochs", "2")) == 7
     want = [
         sys.executable,
         *TORCHRUN,
         *"--nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1".split(),
         *"--master_port 1234 train.py --epochs 2".split(),
     ]
-    assert seen["argv"][-len(want) :] == want, "run as given (after cli_procs.die_with_parent)"
+    assert seen["argv"][-len(want) :] == want, "run as given (after procs.die_with_parent)"
     assert seen["env"][CONFIG_ENV] == str(files / "config.py")
     assert seen["session"], "the launcher runs in its own session (signals are forwarded)"
 
 
 def test_dry_run_prints_the_local_command(files, no_process, capsys):
     assert (
-        cli.main(
-            run_args("--nproc_per_node", "4", "--dry-run", "--config", "config.py", "train.py")
-        )
+        main(run_args("--nproc_per_node", "4", "--dry-run", "--config", "config.py", "train.py"))
         == 0
     )
     out = capsys.readouterr().out
-    assert out.startswith(f"{CONFIG_ENV}={files / 'config.py'} {sys.executable} -m gridtrain.agent")
+    assert out.startswith(
+        f"{CONFIG_ENV}={files / 'config.py'} {sys.executable} -m gridtrain.cli.agent"
+    )
     assert "--nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1" in out
 
 
@@ -282,7 +284,7 @@ def test_run_hosts_prefixes_output_and_stops_the_rest_when_a_host_fails(files, m
     spec = RunSpec(config="/c.py", script="train.py", hosts=["good", "slow", "bad"], nnodes=3)
 
     start = time.monotonic()
-    assert cli.run_hosts(build_host_commands(spec)) == 5
+    assert run_hosts(build_host_commands(spec)) == 5
     assert time.monotonic() - start < 10, "the slow host was not stopped"
     captured = capsys.readouterr()
     for host in ("good", "slow", "bad"):
@@ -290,12 +292,12 @@ def test_run_hosts_prefixes_output_and_stops_the_rest_when_a_host_fails(files, m
     assert "host bad exited with code 5" in captured.err
 
     spec.hosts = ["good", "also-good"]
-    assert cli.run_hosts(build_host_commands(spec)) == 0
+    assert run_hosts(build_host_commands(spec)) == 0
 
 
 # ---- topo -----------------------------------------------------------------------------------
 def test_topo_full_prints_the_2d_groups(files, no_process, capsys):
-    assert cli.main(["topo", "--config", "config.py", "--world-size", "8", "--full"]) == 0
+    assert main(["topo", "--config", "config.py", "--world-size", "8", "--full"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("world 8 = data 2 x pipeline 1 x tensor 4 (tensor mode 2d")
     rows = next(line for line in lines if line.startswith("PARALLEL_2D_ROW"))
@@ -314,7 +316,7 @@ def test_topo_1024_ranks_under_a_second(files, capsys):
         'parallel = dict(pipeline=4, tensor=dict(size=8, mode="2.5d", depth=2))\n'
     )
     start = time.perf_counter()
-    assert cli.main(["topo", "--config", "big.py", "--world-size", "1024"]) == 0
+    assert main(["topo", "--config", "big.py", "--world-size", "1024"]) == 0
     assert time.perf_counter() - start < 1.0
     assert "world 1024 = data 32 x pipeline 4 x tensor 8" in capsys.readouterr().out
 
@@ -386,7 +388,7 @@ def test_elastic_options_reach_every_launcher(files):
     argv = ["--max-restarts", "2", "--monitor-interval", "0.5", "--rdzv-backend", "c10d"]
     argv += ["--nproc_per_node", "4", "--master_port", "1234"]
     spec = spec_for([*argv, "--config", "config.py", "train.py"])
-    command = cli.torchrun_command(spec, "/py", 0)
+    command = torchrun_command(spec, "/py", 0)
     elastic = "--max-restarts 2 --monitor-interval 0.5 --rdzv-backend c10d"
     assert f"--master_port 1234 {elastic} --rdzv-endpoint 127.0.0.1:1234 train.py" in " ".join(
         command

@@ -4,8 +4,9 @@ import subprocess
 
 import pytest
 
-from gridtrain import cli
-from gridtrain.cli_hosts import RunSpec, UsageError, build_host_commands, check_host
+from gridtrain.cli.hosts import RunSpec, build_host_commands, check_host
+from gridtrain.cli.main import main
+from gridtrain.cli.usage import UsageError
 
 INJECTED = "NCCL_X$(touch PWN)"
 
@@ -20,7 +21,7 @@ def files(tmp_path, monkeypatch):
 
 def exit_code(argv):
     try:
-        return cli.main(argv)
+        return main(argv)
     except SystemExit as stop:
         return stop.code
 

@@ -13,8 +13,8 @@ import subprocess
 import pytest
 
 import gridtrain as gt
-from gridtrain import cli
 from gridtrain.amp import AMP_TYPE
+from gridtrain.cli.main import main
 from gridtrain.config import HANDLER_KWARGS
 from gridtrain.gradient_handlers import handler_class
 from gridtrain.parallel.tensor.styles import STYLES
@@ -250,7 +250,7 @@ def test_gridtrain_run_reports_it_with_exit_2_not_the_config_exit_code(
         ("pipe.py", "parallel.pipeline = 2 needs num_microbatches"),
     ):
         with pytest.raises(SystemExit) as stop:
-            cli.main(["run", "--nproc_per_node", "2", "--config", config, "train.py"])
+            main(["run", "--nproc_per_node", "2", "--config", config, "train.py"])
         assert stop.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
@@ -299,7 +299,7 @@ def test_gridtrain_run_refuses_out_of_range_values_before_any_process(
     for body, key in (("timeout_s = 1e300\n", "timeout_s"), ("seed = 2**70\n", "seed")):
         (tmp_path / "config.py").write_text(body)
         with pytest.raises(SystemExit) as stop:
-            cli.main(["run", "--nproc_per_node", "2", "--config", "config.py", "train.py"])
+            main(["run", "--nproc_per_node", "2", "--config", "config.py", "train.py"])
         assert stop.value.code == 2
         assert f"key '{key}'" in capsys.readouterr().err
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers.doc_refs import REPO, Command, Doc, resolve, scan_help, scan_markdown
 
-from gridtrain import cli
+from gridtrain.cli.main import build_parser, main
 from gridtrain.config import Config
 
 
@@ -32,7 +32,7 @@ def _cli(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli.main(argv)
+            code = main(argv)
         except SystemExit as stop:
             code = stop.code
     return code, out.getvalue(), err.getvalue()
@@ -107,7 +107,7 @@ def _parse(cmd: Command):
         return None
     with contextlib.redirect_stderr(io.StringIO()) as err:
         try:
-            return cli.build_parser().parse_args(cmd.argv[1:])
+            return build_parser().parse_args(cmd.argv[1:])
         except SystemExit:
             message = err.getvalue()
     assert re.search(r"required|expected one argument", message), message

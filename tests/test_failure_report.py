@@ -2,7 +2,7 @@
 (issue 27, one error once), and in a hang the rank that never arrived (issue 28 item 9).
 
 torch's own ``ProcessFailure`` objects are built from error files written the way the workers
-write them (``failures.error_record`` of real exceptions), so the summary is checked on what
+write them (``failure_record.error_record`` of real exceptions), so the summary is checked on what
 the agent really receives; tests/test_launch_run.py runs the whole path on real processes.
 """
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from gridtrain import failures
+from gridtrain.cli import failures
+from gridtrain.failure_record import error_record
 
 
 class PlanError(ValueError):
@@ -32,7 +33,7 @@ def _raised(exc: BaseException):
 def _failure(tmp: Path, rank: int, exitcode: int, exc=None, printed=False) -> ProcessFailure:
     path = tmp / f"error_{rank}.json"
     if exc is not None:
-        path.write_text(json.dumps(failures.error_record(*_raised(exc), printed=printed)))
+        path.write_text(json.dumps(error_record(*_raised(exc), printed=printed)))
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
 

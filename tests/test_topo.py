@@ -6,7 +6,7 @@ import re
 import pytest
 
 import gridtrain as gt
-from gridtrain import cli
+from gridtrain.cli.main import main
 from gridtrain.parallel.topology import build_groups
 from gridtrain.parallel.topology_views import stride_axes
 
@@ -32,7 +32,7 @@ def configs(tmp_path, monkeypatch):
 
 
 def topo(capsys, name, world, *extra):
-    assert cli.main(["topo", "--config", name, "--world-size", str(world), *extra]) == 0
+    assert main(["topo", "--config", name, "--world-size", str(world), *extra]) == 0
     return capsys.readouterr().out
 
 
@@ -115,10 +115,10 @@ def test_full_is_every_group(configs, capsys):
 
 def test_rank_out_of_range_and_views_exclusive(configs, capsys):
     with pytest.raises(SystemExit) as stop:
-        cli.main(["topo", "--config", "dp.py", "--world-size", "4", "--rank", "4"])
+        main(["topo", "--config", "dp.py", "--world-size", "4", "--rank", "4"])
     assert stop.value.code == 2 and "--rank must be in [0, 4), got 4" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:
-        cli.main(["topo", "--config", "dp.py", "--world-size", "4", "--rank", "1", "--full"])
+        main(["topo", "--config", "dp.py", "--world-size", "4", "--rank", "1", "--full"])
     assert stop.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 

@@ -5,7 +5,7 @@
     gridtrain estimate --config config.py --model path/to/config.json --world-size 4096 \\
         --gpu h200-141g --global-batch 2048 --search
 
-Wired into ``gridtrain/cli.py`` with ``add_parser(sub)``; ``run(args)`` returns the
+Wired into ``gridtrain/cli/main.py`` with ``add_parser(sub)``; ``run(args)`` returns the
 exit code: 0, 1 when the layout does not fit in memory (or nothing fits, with
 ``--search``), 2 when the layout cannot run the model at all (the message names
 the group and the divisor).

@@ -1,7 +1,7 @@
 """What `gridtrain run` starts, as plain data: host lists and the exact commands per host.
 
 Nothing here starts a process, so tests can check every command a node would
-run. ``gridtrain.cli`` parses the arguments into a ``RunSpec`` and runs the
+run. ``gridtrain.cli.run`` parses the arguments into a ``RunSpec`` and runs the
 commands built here.
 """
 
@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gridtrain.cli.usage import UsageError
 from gridtrain.launch import CONFIG_ENV
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default
@@ -31,10 +32,6 @@ HOST_NAME = re.compile(rf"{LABEL}(?:\.{LABEL})*")
 # the zone of a link-local IPv6 address ("fe80::1%eth0"): an interface name or number
 SCOPE_ID = re.compile(r"[A-Za-z0-9_.-]+")
 USER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-class UsageError(ValueError):
-    """A command line that cannot run; the message names the argument."""
 
 
 @dataclass
@@ -156,12 +153,12 @@ def select_hosts(
 
 
 def torchrun_command(spec: RunSpec, python: str, node_rank: int) -> list[str]:
-    """The launcher command for node ``node_rank``: ``python -m gridtrain.agent`` takes
+    """The launcher command for node ``node_rank``: ``python -m gridtrain.cli.agent`` takes
     torchrun's arguments and is torchrun, with the store on loopback for a local run."""
     return [
         python,
         "-m",
-        "gridtrain.agent",
+        "gridtrain.cli.agent",
         "--nproc_per_node",
         str(spec.nproc_per_node),
         "--nnodes",

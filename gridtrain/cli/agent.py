@@ -1,4 +1,4 @@
-"""``python -m gridtrain.agent ARGS``: torch's elastic launcher (``torch.distributed.run ARGS``)
+"""``python -m gridtrain.cli.agent ARGS``: torch's elastic launcher (``torch.distributed.run ARGS``)
 with three changes.
 
 - The rendezvous store listens on loopback only when the whole job is on this machine.
@@ -6,9 +6,9 @@ with three changes.
   single-node job with a loopback ``--master_addr`` (what ``gridtrain run`` passes for a local
   run) this binds the store's socket to that address first and hands it to a multi-tenant
   TCPStore; torch's static rendezvous then finds that server for the port and uses it.
-- Every worker is started through ``cli_procs.die_with_parent``: the workers live in sessions
+- Every worker is started through ``procs.die_with_parent``: the workers live in sessions
   of their own (torch's choice), so without it they would outlive an agent killed by SIGKILL.
-- A failed job ends with ``gridtrain.failures.summarize`` (the first error once, one line per
+- A failed job ends with ``failures.summarize`` (the first error once, one line per
   other rank, the rank that never arrived in a hang) instead of torch's per-rank failure
   table; the worker processes' own bookkeeping goes in a temporary report directory. A
   signal passed on by ``gridtrain run`` ends it with one line, not torch's traceback.
@@ -30,8 +30,9 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from gridtrain import failures
-from gridtrain.cli_procs import die_with_parent
+from gridtrain.cli import failures
+from gridtrain.cli.procs import die_with_parent
+from gridtrain.failure_record import REPORT_DIR
 from gridtrain.launch import bind_loopback, is_loopback
 
 _KEEP: list[object] = []  # the pre-bound store must outlive the rendezvous (a weak cache)
@@ -78,7 +79,7 @@ def _workers_die_with_agent(config_from_args):
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     report_dir = tempfile.mkdtemp(prefix="gridtrain-run-")
-    os.environ[failures.REPORT_DIR] = report_dir  # the workers inherit it
+    os.environ[REPORT_DIR] = report_dir  # the workers inherit it
     # its per-process failure and stop messages: the summary below says it once
     for name in ("torch.distributed.elastic.multiprocessing", f"{ChildFailedError.__module__}"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
