@@ -10,8 +10,14 @@ from gridtrain.engine import (
     save_checkpoint,
     wait_pending,
 )
-from gridtrain.launch import launch, launch_from_openmpi, launch_from_slurm, launch_from_torch
-from gridtrain.parallel.context import ParallelContext, destroy, get_context
+from gridtrain.launch import (
+    destroy,
+    launch,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+)
+from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.dense_state import full_state_dict, load_full_state_dict
 from gridtrain.parallel.materialize import lazy_init
 from gridtrain.parallel.mode import ParallelMode

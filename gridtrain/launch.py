@@ -1,13 +1,17 @@
-"""Starting a process: validate the config, join the process group, build the context, seed."""
+"""Starting and ending a process: validate the config, join the process group, build the
+context, seed; ``destroy`` undoes it, first running what was registered with
+``register_teardown``."""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import ipaddress
 import logging
 import math
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +21,8 @@ import torch.distributed as dist
 from gridtrain import failure_record
 from gridtrain.config import Config, ConfigError
 from gridtrain.config_sections import MAX_SEED, MAX_TIMEOUT_S, quote
-from gridtrain.parallel.context import ParallelContext, set_context, wait_for_idle_workers
+from gridtrain.parallel.context import ParallelContext, set_context
+from gridtrain.parallel.gloo_threads import wait_for_idle_workers
 from gridtrain.parallel.random import seed_everything
 
 logger = logging.getLogger("gridtrain")
@@ -26,6 +31,7 @@ CONFIG_ENV = "GRIDTRAIN_CONFIG"  # set by `gridtrain run --config`
 BACKENDS = ("nccl", "gloo", "mpi")
 
 ConfigLike = Config | dict | str | Path
+_TEARDOWN: list[Callable[[], None]] = []
 
 
 def launch(
@@ -214,29 +220,38 @@ def launch_from_slurm(
     config: ConfigLike, host: str, port: int, backend: str | None = None, seed: int = 1024
 ) -> ParallelContext:
     """Launch from SLURM's variables (SLURM_PROCID, SLURM_NPROCS, SLURM_LOCALID)."""
-    return launch(
-        config,
-        rank=_env_int("SLURM_PROCID"),
-        world_size=_env_int("SLURM_NPROCS", "SLURM_NTASKS"),
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=_env_int("SLURM_LOCALID") if "SLURM_LOCALID" in os.environ else None,
-        seed=seed,
-    )
+    local = _env_int("SLURM_LOCALID") if "SLURM_LOCALID" in os.environ else None
+    rank, world = _env_int("SLURM_PROCID"), _env_int("SLURM_NPROCS", "SLURM_NTASKS")
+    return launch(config, rank, world, host, port, backend, local_rank=local, seed=seed)
 
 
 def launch_from_openmpi(
     config: ConfigLike, host: str, port: int, backend: str | None = None, seed: int = 1024
 ) -> ParallelContext:
     """Launch from Open MPI's variables (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK)."""
-    return launch(
-        config,
-        rank=_env_int("OMPI_COMM_WORLD_RANK"),
-        world_size=_env_int("OMPI_COMM_WORLD_SIZE"),
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=_env_int("OMPI_COMM_WORLD_LOCAL_RANK"),
-        seed=seed,
-    )
+    local = _env_int("OMPI_COMM_WORLD_LOCAL_RANK")
+    rank, world = _env_int("OMPI_COMM_WORLD_RANK"), _env_int("OMPI_COMM_WORLD_SIZE")
+    return launch(config, rank, world, host, port, backend, local_rank=local, seed=seed)
+
+
+# ---- the end ----------------------------------------------------------------------------------
+def register_teardown(fn: Callable[[], None]) -> Callable[[], None]:
+    """Have ``destroy()`` call ``fn`` before it destroys the process groups (work that still
+    uses them, such as an asynchronous checkpoint save, finishes first). Registering the same
+    function again does nothing; returns ``fn``."""
+    if fn not in _TEARDOWN:
+        _TEARDOWN.append(fn)
+    return fn
+
+
+def destroy() -> None:
+    """Run the registered teardowns, destroy every process group and forget the current
+    context; return once torch's gloo worker threads are idle (see ``gloo_threads``: a busy
+    one can abort the interpreter's shutdown)."""
+    for fn in list(_TEARDOWN):
+        fn()
+    set_context(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups held only by reference cycles go now, which joins their workers
+    wait_for_idle_workers()

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.harness import free_port
+import torch
+from helpers.harness import free_port, run_distributed
 
 import gridtrain as gt
 
@@ -63,7 +64,22 @@ def test_two_ranks_exit_0_while_a_gloo_worker_is_still_busy(tmp_path, call_destr
 
 
 def test_wait_for_idle_workers_without_gloo_threads_returns_at_once():
-    from gridtrain.parallel.context import _gloo_workers, wait_for_idle_workers
+    from gridtrain.parallel.gloo_threads import _gloo_workers, wait_for_idle_workers
 
     assert _gloo_workers() == {} or all(len(v) == 2 for v in _gloo_workers().values())
     assert wait_for_idle_workers(timeout_s=5.0) is True
+
+
+def _save_and_leave_it_in_flight(ctx, path):
+    model = torch.nn.Linear(64, 64)
+    engine, *_ = gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    future = gt.save_checkpoint(path, 1, engine.model, sharded=True, async_save=True)
+    return future.done()  # not waited for: the harness's gt.destroy() must finish the save
+
+
+def test_destroy_finishes_an_asynchronous_save_in_flight(tmp_path):
+    """The checkpoint writer registers its wait with ``gt.destroy()``, which runs it before
+    the process groups (which the background save uses) are destroyed."""
+    path = tmp_path / "ckpt"
+    done = run_distributed(_save_and_leave_it_in_flight, 2, str(path), timeout=120)
+    assert gt.latest_checkpoint(tmp_path) == path, f"incomplete (done at return: {done})"

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
-import logging
-import os
-import time
 from datetime import timedelta
 
 import torch
@@ -18,8 +14,6 @@ from gridtrain.parallel.random import RngStates
 from gridtrain.parallel.topology import build_groups
 
 _CURRENT: ParallelContext | None = None
-GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
-logger = logging.getLogger("gridtrain")
 
 
 class ParallelContext:
@@ -147,71 +141,3 @@ def set_context(ctx: ParallelContext | None) -> None:
 
 def has_context() -> bool:
     return _CURRENT is not None
-
-
-def destroy() -> None:
-    """Destroy every process group and forget the current context.
-
-    Returns once torch's gloo worker threads are idle. A worker that drops the
-    last reference to a collective's tensor after the interpreter has begun to
-    shut down needs the GIL, and Python then ends that thread with
-    ``pthread_exit`` inside a noexcept C++ frame: "terminate called without an
-    active exception", SIGABRT, a finished job exiting 1. A group object still
-    held by Python objects (the context, an engine's gradient buckets) keeps its
-    workers until those objects go, so the workers are waited for, not joined.
-    Asynchronous checkpoint saves still in flight finish first (they use the groups).
-    """
-    from gridtrain.engine.checkpoint.writer import wait_pending  # engine imports this module
-
-    wait_pending()
-    set_context(None)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # groups held only by reference cycles go now, which joins their workers
-    wait_for_idle_workers()
-
-
-def _gloo_workers() -> dict[str, tuple[bytes, tuple[str, ...]]]:
-    """{thread id: (state, context-switch counts)} of this process's gloo worker threads (Linux
-    /proc; {} elsewhere)."""
-    out = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        base = f"/proc/self/task/{tid}"
-        try:
-            with open(f"{base}/comm") as f:
-                if f.read().strip() != GLOO_WORKER:
-                    continue
-            with open(f"{base}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-            with open(f"{base}/status") as f:
-                switches = tuple(line for line in f if "ctxt_switches" in line)
-        except (OSError, IndexError):
-            continue  # the thread has just ended
-        out[tid] = (state, switches)
-    return out
-
-
-def wait_for_idle_workers(timeout_s: float = 30.0, settle_s: float = 0.02) -> bool:
-    """Wait until every gloo worker thread sleeps and stays asleep for ``settle_s``.
-
-    The sleep between looks releases the GIL, so a worker waiting for it runs
-    and is seen to (its state or its context-switch counts change); a worker
-    preempted after completing a collective, before releasing it, is runnable.
-    Called by ``destroy()`` and at interpreter exit (before Python starts to
-    shut down). Returns False if some worker was still busy after ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while True:
-        now = _gloo_workers()
-        if now == last and all(state == b"S" for state, _ in now.values()):
-            return True
-        if time.monotonic() > deadline:
-            logger.warning("gloo worker threads still busy after %.0fs: %s", timeout_s, now)
-            return False
-        last = now
-        time.sleep(settle_s)

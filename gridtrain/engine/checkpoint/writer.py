@@ -31,6 +31,7 @@ from gridtrain.engine.checkpoint import files, integrity
 from gridtrain.engine.checkpoint.errors import CheckpointError
 from gridtrain.engine.checkpoint.sharded import FORMAT, VERSION, first_failure
 from gridtrain.engine.checkpoint.state import layout
+from gridtrain.launch import register_teardown
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
@@ -78,6 +79,9 @@ def wait_pending() -> None:
         _PENDING.clear()
     for future in pending:
         future.wait()
+
+
+register_teardown(wait_pending)  # gridtrain.destroy(): saves in flight use the process groups
 
 
 def _async_group(ctx: ParallelContext):
