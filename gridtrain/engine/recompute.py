@@ -27,17 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gridtrain.engine.compile import find_blocks
+from gridtrain.parallel.random import recompute_region
 
 logger = logging.getLogger("gridtrain")
-
-
-_RECOMPUTING = [0]  # depth of recompute regions now running (a list: mutable module state)
-
-
-def recomputing() -> bool:
-    """Whether a checkpointed block is replaying its forward for the backward (layers that
-    record statistics, such as MoE load, skip recording then)."""
-    return _RECOMPUTING[0] > 0
 
 
 @contextlib.contextmanager
@@ -48,11 +40,10 @@ def _replay(rng, saved: dict | None, buffers: list[torch.Tensor]) -> Iterator[No
     if rng is not None:
         rng.load_state_dict(saved)
     kept = [b.clone() for b in buffers]
-    _RECOMPUTING[0] += 1
     try:
-        yield
+        with recompute_region():
+            yield
     finally:
-        _RECOMPUTING[0] -= 1
         with torch.no_grad():
             for b, k in zip(buffers, kept, strict=True):
                 b.copy_(k)

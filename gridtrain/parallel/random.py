@@ -1,10 +1,14 @@
-"""Named RNG states, so dropout inside tensor-parallel regions draws the masks each mode needs.
+"""Named RNG states, so dropout inside tensor-parallel regions draws the masks each mode needs,
+and the flag that tells a forward replayed for the backward from the first one.
 
 The default torch generator is seeded identically on every rank, so replicated
 activations get identical dropout masks across a tensor group. Where activations
 are sharded, a layer forks a state seeded by its rank in that group, so each
-shard draws a distinct mask. Works on CPU and CUDA (the legacy engine only
-registered CUDA seeds, so every TP layer failed on CPU).
+shard draws a distinct mask. CPU and CUDA generators alike.
+
+Activation checkpointing (``engine/recompute.py``) runs a block's forward again in the
+backward, with these states rewound; inside that replay ``recomputing()`` is true, so a
+layer that records statistics (MoE load) records them once.
 """
 
 from __future__ import annotations
@@ -15,6 +19,23 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+_RECOMPUTING = [0]  # depth of recompute regions now running (a list: mutable module state)
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed block is replaying its forward for the backward."""
+    return _RECOMPUTING[0] > 0
+
+
+@contextlib.contextmanager
+def recompute_region() -> Iterator[None]:
+    """Mark the block: ``recomputing()`` is true inside it."""
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
 
 
 def seed_everything(seed: int) -> None:

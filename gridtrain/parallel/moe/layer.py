@@ -31,6 +31,7 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.moe.dispatch import grouped_dispatch
 from gridtrain.parallel.moe.experts import Experts
 from gridtrain.parallel.moe.router import Assignment, Router, RouterOutput
+from gridtrain.parallel.random import recomputing
 
 DISPATCHES = ("grouped", "capacity")
 
@@ -157,8 +158,6 @@ class MoeLayer(nn.Module):
     def _record(
         self, aux_loss: Tensor, z_loss: Tensor, load: Tensor, dropped: Tensor | int
     ) -> None:
-        from gridtrain.engine.recompute import recomputing  # engine imports this module
-
         if recomputing():  # activation checkpoint replaying the forward: recorded already
             return
         loss = self.aux_loss_coef * aux_loss
