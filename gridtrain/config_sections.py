@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from gridtrain.amp.types import AMP_TYPE
+from gridtrain.config_names import AMP_TYPE, STYLES
 
 TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
 # config name -> the keyword arguments its __init__ takes besides (model, ctx); kept here so a
@@ -103,15 +103,13 @@ class TensorConfig(_Section):
     )
     plan: dict[str, str] | None = Field(
         None,
-        description="module-name pattern -> style (gridtrain.parallel.tensor.styles.STYLES); "
+        description="module-name pattern -> style (gridtrain.config_names.STYLES); "
         "None: the model's own plan or one traced from the data flow",
     )
 
     @field_validator("plan")
     @classmethod
     def _known_styles(cls, plan: dict[str, str] | None) -> dict[str, str] | None:
-        from gridtrain.parallel.tensor.styles import STYLES  # no torch import; lazy: no cycle
-
         for pattern, style in (plan or {}).items():
             if not pattern:
                 raise ValueError("a plan pattern must not be empty")

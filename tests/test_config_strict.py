@@ -16,8 +16,8 @@ import gridtrain as gt
 from gridtrain.amp import AMP_TYPE
 from gridtrain.cli.main import main
 from gridtrain.config import HANDLER_KWARGS
+from gridtrain.config_names import STYLES
 from gridtrain.gradient_handlers import handler_class
-from gridtrain.parallel.tensor.styles import STYLES
 
 HAVE_APEX = importlib.util.find_spec("apex") is not None
 

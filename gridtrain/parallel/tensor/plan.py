@@ -1,6 +1,6 @@
 """The tensor-parallel plan: which style each layer of a model gets, and why.
 
-A plan maps module paths to styles (``styles.STYLES``). It comes from, in order
+A plan maps module paths to styles (``config_names.STYLES``). It comes from, in order
 of precedence, the config (``parallel.tensor.plan``: patterns such as
 ``"blocks.*.attn.qkv"``, ``*`` standing for one name part, as in Hugging
 Face's ``tp_plan``), hints on ``gt.nn`` layers (``gt.nn.Linear(split="row")``),
@@ -27,10 +27,10 @@ from typing import Any
 
 from torch import nn
 
+from gridtrain.config_names import STYLES
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind
-from gridtrain.parallel.tensor.styles import STYLES
 from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF, Flow
 from gridtrain.parallel.tensor.trace import OPAQUE as OPAQUE_HOW
 

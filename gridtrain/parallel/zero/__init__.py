@@ -41,7 +41,7 @@ def build_zero(
     cfg = ctx.config.zero
     if cfg is None:
         return None
-    from gridtrain.amp.types import AMP_TYPE
+    from gridtrain.config_names import AMP_TYPE
 
     fp16 = ctx.config.fp16
     amp = AMP_TYPE(fp16.mode) if fp16 is not None and fp16.mode is not None else None

@@ -1,6 +1,24 @@
-"""The layer styles a tensor-parallel plan may name (the Hugging Face ``tp_plan`` vocabulary,
-plus gridtrain's own). Kept free of torch imports: the config schema validates against it."""
+"""The names a config may use: mixed-precision modes and tensor-parallel plan styles.
 
+Defined here, below everything else, so the config schema validates against them without
+importing the packages that implement them (``gridtrain.amp`` re-exports ``AMP_TYPE``; the
+planner, ``gridtrain.parallel.tensor.plan``, reads ``STYLES``). No torch import.
+"""
+
+from enum import Enum
+
+
+class AMP_TYPE(str, Enum):  # noqa: N801 - the legacy spelling users write in configs
+    """Mixed-precision mode for ``fp16 = dict(mode=...)``."""
+
+    TORCH = "torch"  # autocast fp16 + GradScaler
+    NAIVE = "naive"  # fp16 model, fp32 master weights, dynamic loss scaler
+    APEX = "apex"  # NVIDIA apex O-levels when installed
+    BF16 = "bf16"  # autocast bf16, no scaler
+
+
+# the layer styles a tensor-parallel plan may name (the Hugging Face ``tp_plan`` vocabulary,
+# plus gridtrain's own), each with what it does
 STYLES = {
     "colwise": "Linear: output features split (output stays sharded); on an Embedding: the "
     "embedding dim split",
