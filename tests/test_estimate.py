@@ -14,7 +14,6 @@ import pytest
 
 from gridtrain.config import Config
 from gridtrain.estimate import (
-    LayoutContext,
     Scenario,
     SearchOptions,
     estimate,
@@ -25,9 +24,10 @@ from gridtrain.estimate import (
 )
 from gridtrain.estimate import cli as estimate_cli
 from gridtrain.estimate.geometry import Geometry
-from gridtrain.estimate.layout import tensor_config
 from gridtrain.estimate.memory import block_items, in_flight
 from gridtrain.estimate.models import ModelSpec, from_hf_config
+from gridtrain.estimate.shards import tensor_config
+from gridtrain.parallel.layout import Layout
 from gridtrain.parallel.mode import ParallelMode as PM
 
 
@@ -119,10 +119,10 @@ def test_hugging_face_config_json(tmp_path):
         from_hf_config(tmp_path / "bad.json")
 
 
-def test_layout_context_of_thousands_of_ranks():
+def test_layout_of_thousands_of_ranks():
     """One rank of a 4096-rank world, from topology's lists, no process: what layers ask."""
     cfg = Config.from_dict({"parallel": {"pipeline": 8, "tensor": {"size": 64, "mode": "3d"}}})
-    ctx = LayoutContext(cfg, 4096, rank=4095)
+    ctx = Layout(cfg, 4096, global_rank=4095)
     assert ctx.world_size(PM.DATA) == 8 and ctx.world_size(PM.PARALLEL_3D_INPUT) == 4
     assert ctx.local_rank(PM.PIPELINE) == 7 and ctx.ranks(PM.TENSOR)[-1] == 4095
     with pytest.raises(RuntimeError, match="no process groups"):
@@ -130,7 +130,7 @@ def test_layout_context_of_thousands_of_ranks():
     shards = tensor_shards(get_model("llama-70b"), "3d", 64)
     qkv = shards.block.local["h0.attn.qkv.weight"]
     assert qkv == (get_model("llama-70b").qkv_out // 16, 8192 // 4)  # [out/d^2, in/d]
-    assert LayoutContext(tensor_config("2d", 16), 16).world_size(PM.PARALLEL_2D_ROW) == 4
+    assert Layout(tensor_config("2d", 16), 16).world_size(PM.PARALLEL_2D_ROW) == 4
 
 
 # ---- the command line -------------------------------------------------------------------

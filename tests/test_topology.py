@@ -6,7 +6,9 @@ import time
 import pytest
 
 import gridtrain as gt
-from gridtrain.parallel.topology import build_groups, format_topology
+from gridtrain.parallel.layout import Layout
+from gridtrain.parallel.topology import build_groups
+from gridtrain.parallel.topology_views import format_topology
 
 PM = gt.ParallelMode
 
@@ -120,6 +122,6 @@ def test_expert_groups_cut_the_data_axis():
 def test_topology_of_1024_ranks_is_fast():
     cfg = gt.Config.from_dict(dict(parallel=dict(pipeline=4, tensor=dict(size=8, mode="3d"))))
     start = time.perf_counter()
-    text = format_topology(cfg, 1024)
+    text = format_topology(Layout(cfg, 1024))
     assert time.perf_counter() - start < 1.0, "issue 2: under a second for 1024 ranks"
     assert "world 1024 = data 32 x pipeline 4 x tensor 8" in text

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from gridtrain.cli.usage import UsageError, load_config
+from gridtrain.parallel.layout import Layout
+from gridtrain.parallel.topology_views import format_rank, format_topology, summarize_topology
 
 DESCRIPTION = (
     "Print how --world-size ranks are cut into data, pipeline, tensor (and per-mode) groups "
@@ -32,17 +34,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_topo(args: argparse.Namespace) -> int:
     """Print the view of the grid the arguments ask for; returns the exit code."""
-    from gridtrain.parallel.topology import format_topology
-    from gridtrain.parallel.topology_views import format_rank, summarize_topology
-
     cfg = load_config(args.config)
     cfg.check_world_size(args.world_size)
+    if args.rank is not None and not 0 <= args.rank < args.world_size:
+        raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
+    layout = Layout(cfg, args.world_size, args.rank or 0)
     if args.full:
-        print(format_topology(cfg, args.world_size))
+        print(format_topology(layout))
     elif args.rank is not None:
-        if not 0 <= args.rank < args.world_size:
-            raise UsageError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
-        print(format_rank(cfg, args.world_size, args.rank))
+        print(format_rank(layout))
     else:
-        print(summarize_topology(cfg, args.world_size))
+        print(summarize_topology(layout))
     return 0

@@ -2,7 +2,7 @@
 at any world size, on one CPU, and a search over layouts.
 
 The per-rank parameter shapes come from the engine's own tensor planner run on a
-meta-device model with a process-free context (``layout.py``); activations,
+meta-device model with a process-free ``Layout`` (``shards.py``); activations,
 collectives and time follow each mode's forward code (``memory.py``,
 ``communication.py``, ``timing.py``). ``cli.py`` is the command line.
 """
@@ -10,11 +10,11 @@ collectives and time follow each mode's forward code (``memory.py``,
 from gridtrain.estimate.devices import PRESETS as DEVICES
 from gridtrain.estimate.devices import DeviceSpec, get_device
 from gridtrain.estimate.estimator import Estimate, estimate
-from gridtrain.estimate.layout import LayoutContext, tensor_shards
 from gridtrain.estimate.models import PRESETS as MODELS
 from gridtrain.estimate.models import ModelSpec, from_hf_config, get_model
 from gridtrain.estimate.scenario import EstimateError, Scenario
 from gridtrain.estimate.search import SearchOptions, search
+from gridtrain.estimate.shards import tensor_shards
 
 __all__ = [
     "DEVICES",
@@ -22,7 +22,6 @@ __all__ = [
     "DeviceSpec",
     "Estimate",
     "EstimateError",
-    "LayoutContext",
     "ModelSpec",
     "Scenario",
     "SearchOptions",

@@ -40,10 +40,10 @@ import math
 
 from gridtrain.estimate.collectives import Collective, LayerCollectives, all_reduce
 from gridtrain.estimate.geometry import Geometry
-from gridtrain.estimate.layout import TensorShards
 from gridtrain.estimate.memory import dtype_bytes
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
+from gridtrain.estimate.shards import TensorShards
 from gridtrain.parallel.mode import ParallelMode as PM
 
 BUCKET_BYTES = 25 * 2**20  # gradient_handlers/buckets.py DEFAULT_BUCKET_MB

@@ -16,7 +16,6 @@ from gridtrain.estimate.communication import (
 )
 from gridtrain.estimate.devices import DeviceSpec, GiB
 from gridtrain.estimate.geometry import Geometry
-from gridtrain.estimate.layout import TensorShards
 from gridtrain.estimate.memory import (
     Activations,
     ModelStates,
@@ -27,6 +26,7 @@ from gridtrain.estimate.memory import (
 )
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
+from gridtrain.estimate.shards import TensorShards
 from gridtrain.estimate.timing import collective_seconds, group_links
 
 RESERVED_GPU = 2 * GiB  # CUDA context, NCCL buffers, allocator slack

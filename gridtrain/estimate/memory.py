@@ -37,9 +37,9 @@ import dataclasses
 import math
 
 from gridtrain.estimate.geometry import Geometry
-from gridtrain.estimate.layout import LayerShards, TensorShards
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
+from gridtrain.estimate.shards import LayerShards, TensorShards
 
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.fc2")
 

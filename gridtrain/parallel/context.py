@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.config import Config
+from gridtrain.parallel.layout import Layout
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.random import RngStates
-from gridtrain.parallel.topology import build_groups
 
 _CURRENT: ParallelContext | None = None
 
 
-class ParallelContext:
-    """Every process group of this rank, built from one grid (see ``topology.build_groups``).
+class ParallelContext(Layout):
+    """This rank's ``Layout`` with a process group per mode, its device and its RNG states.
 
     Create it through ``gridtrain.launch*``; library code receives it as an
     argument, user-facing layers fall back to ``gridtrain.get_context()``.
@@ -26,87 +26,32 @@ class ParallelContext:
     def __init__(self, config: Config, device: torch.device, seed: int):
         if not dist.is_initialized():
             raise RuntimeError("ParallelContext needs torch.distributed to be initialised first")
-        self.config = config
+        super().__init__(config, dist.get_world_size(), dist.get_rank())
         self.device = device
         self.seed = seed
-        self.global_rank = dist.get_rank()
-        self._ranks: dict[ParallelMode, tuple[int, ...]] = {}
-        self._groups: dict[ParallelMode, dist.ProcessGroup] = {}
+        self._groups = self._new_groups(timedelta(seconds=config.timeout_s))
+        self.rng = RngStates(device)
+
+    def _new_groups(self, timeout: timedelta) -> dict[ParallelMode, dist.ProcessGroup]:
+        """This rank's process group of every mode. Every rank walks every group in the same
+        order (``new_group`` is collective); identical rank lists share one process group;
+        ``timeout``: new groups do not inherit WORLD's."""
         made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        timeout = timedelta(seconds=config.timeout_s)  # new_group does not inherit WORLD's
-        # Every rank walks every group in the same order (new_group is collective);
-        # identical rank lists share one process group.
-        for mode, parts in build_groups(config, dist.get_world_size()).items():
+        world = dist.get_world_size()
+        for parts in self.partitions.values():
             for ranks in parts:
                 if ranks not in made:
                     made[ranks] = (
                         dist.GroupMember.WORLD
-                        if len(ranks) == dist.get_world_size()
+                        if len(ranks) == world
                         else dist.new_group(list(ranks), timeout=timeout)
                     )
-                if self.global_rank in ranks:
-                    self._ranks[mode] = ranks
-                    self._groups[mode] = made[ranks]
-        self.rng = RngStates(device)
-
-    # ---- queries -------------------------------------------------------------------------
-    @property
-    def tensor_mode(self) -> str | None:
-        """None, "1d", "2d", "2.5d", "3d" or "sequence"."""
-        return self.config.tensor_mode
-
-    def is_initialized(self, mode: ParallelMode) -> bool:
-        """Whether this layout has ``mode`` (e.g. 2D groups exist only under tensor mode 2d)."""
-        return mode in self._ranks
-
-    def ranks(self, mode: ParallelMode = ParallelMode.GLOBAL) -> tuple[int, ...]:
-        """Global ranks of this rank's group of ``mode``, in local-rank order."""
-        try:
-            return self._ranks[mode]
-        except KeyError:
-            raise ValueError(
-                f"parallel mode {mode.name} does not exist in this layout "
-                f"(tensor mode {self.tensor_mode!r}; have {', '.join(m.name for m in self._ranks)})"
-            ) from None
+        return {mode: made[self.ranks(mode)] for mode in self.partitions}
 
     def group(self, mode: ParallelMode = ParallelMode.GLOBAL) -> dist.ProcessGroup:
         """The process group of ``mode`` that holds this rank."""
-        self.ranks(mode)
+        self.ranks(mode)  # the layout's error for a mode it lacks
         return self._groups[mode]
-
-    def world_size(self, mode: ParallelMode = ParallelMode.GLOBAL) -> int:
-        return len(self.ranks(mode))
-
-    def local_rank(self, mode: ParallelMode = ParallelMode.GLOBAL) -> int:
-        return self.ranks(mode).index(self.global_rank)
-
-    def is_first_rank(self, mode: ParallelMode = ParallelMode.GLOBAL) -> bool:
-        return self.local_rank(mode) == 0
-
-    def is_last_rank(self, mode: ParallelMode = ParallelMode.GLOBAL) -> bool:
-        return self.local_rank(mode) == self.world_size(mode) - 1
-
-    def next_global_rank(self, mode: ParallelMode = ParallelMode.PIPELINE) -> int:
-        """Global rank of the next member of this rank's group (wrapping round)."""
-        ranks = self.ranks(mode)
-        return ranks[(ranks.index(self.global_rank) + 1) % len(ranks)]
-
-    def prev_global_rank(self, mode: ParallelMode = ParallelMode.PIPELINE) -> int:
-        """Global rank of the previous member of this rank's group (wrapping round)."""
-        ranks = self.ranks(mode)
-        return ranks[(ranks.index(self.global_rank) - 1) % len(ranks)]
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size(ParallelMode.DATA)
-
-    @property
-    def pipeline_parallel_size(self) -> int:
-        return self.world_size(ParallelMode.PIPELINE)
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.world_size(ParallelMode.TENSOR)
 
     # ---- randomness ----------------------------------------------------------------------
     def fork_rng(self, mode: ParallelMode) -> contextlib.AbstractContextManager[None]:
@@ -118,11 +63,7 @@ class ParallelContext:
         return self.rng.fork(name)
 
     def __repr__(self) -> str:
-        return (
-            f"ParallelContext(rank={self.global_rank}, data={self.data_parallel_size}, "
-            f"pipeline={self.pipeline_parallel_size}, tensor={self.tensor_parallel_size} "
-            f"({self.tensor_mode}), device={self.device})"
-        )
+        return f"ParallelContext({self._sizes()}, device={self.device})"
 
 
 def get_context() -> ParallelContext:

@@ -3,8 +3,8 @@
 ``global_rank = ((d * P) + p) * T + t``: data outermost, tensor innermost, so a
 tensor group is a run of adjacent ranks. The tensor block of each (d, p) is then
 reshaped per mode (see ``ParallelMode`` for the coordinates of each mode).
-``ParallelContext`` creates process groups from these lists and ``gridtrain topo``
-prints them.
+``Layout`` picks one rank's groups from these lists (``ParallelContext`` creates
+process groups from them) and ``gridtrain topo`` prints them.
 """
 
 from __future__ import annotations
@@ -118,24 +118,3 @@ def group_of(groups: list[tuple[int, ...]], global_rank: int) -> tuple[int, ...]
         if global_rank in g:
             return g
     raise ValueError(f"rank {global_rank} is in no group of this mode")
-
-
-def topology_header(config: Config, world_size: int) -> list[str]:
-    """The grid's sizes and the rank formula: the first lines of every ``gridtrain topo`` view."""
-    P, T = config.pipeline_size, config.tensor_size
-    D = config.data_size(world_size)
-    return [
-        f"world {world_size} = data {D} x pipeline {P} x tensor {T}"
-        f" (tensor mode {config.tensor_mode}, expert parallel {config.moe.expert_parallel_size})",
-        "global_rank = ((d * P) + p) * T + t",
-    ]
-
-
-def format_topology(config: Config, world_size: int) -> str:
-    """Every group of every mode in full (``gridtrain topo --full``)."""
-    groups = build_groups(config, world_size)
-    lines = topology_header(config, world_size)
-    for mode, parts in groups.items():
-        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in parts)
-        lines.append(f"{mode.name:<28} {len(parts):>5} groups of {len(parts[0]):<5} {shown}")
-    return "\n".join(lines)

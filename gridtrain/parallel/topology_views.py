@@ -1,4 +1,5 @@
-"""Readable views of the rank grid at any scale: a summary per mode, or one rank's groups.
+"""Readable views of a layout's rank grid at any scale (``gridtrain topo``): a summary per
+mode, one rank's groups, or every group.
 
 Listing every group (``format_topology``) grows with the world: 60 KB at 1024 ranks.
 Every mode's groups are translates of one lattice, ``r + s1*i1 + s2*i2 + ...`` with
@@ -9,8 +10,8 @@ the world size. ``gridtrain topo --rank N`` lists the groups of one rank in full
 
 from __future__ import annotations
 
-from gridtrain.config import Config
-from gridtrain.parallel.topology import build_groups, group_of, topology_header
+from gridtrain.parallel.layout import Layout
+from gridtrain.parallel.topology import group_of
 
 Axes = list[tuple[int, int]]  # (stride, count), innermost first
 EXAMPLE_MAX = 8  # an example group longer than this is shown as its head and its last rank
@@ -77,12 +78,31 @@ def _short(group: tuple[int, ...]) -> str:
     return f"[{head},...,{group[-1]}]"
 
 
-def summarize_topology(config: Config, world_size: int) -> str:
+def topology_header(layout: Layout) -> list[str]:
+    """The grid's sizes and the rank formula: the first lines of every view."""
+    cfg = layout.config
+    return [
+        f"world {layout.world_size()} = data {layout.data_parallel_size} x pipeline "
+        f"{layout.pipeline_parallel_size} x tensor {layout.tensor_parallel_size}"
+        f" (tensor mode {layout.tensor_mode}, expert parallel {cfg.moe.expert_parallel_size})",
+        "global_rank = ((d * P) + p) * T + t",
+    ]
+
+
+def format_topology(layout: Layout) -> str:
+    """Every group of every mode in full (``gridtrain topo --full``)."""
+    lines = topology_header(layout)
+    for mode, parts in layout.partitions.items():
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in parts)
+        lines.append(f"{mode.name:<28} {len(parts):>5} groups of {len(parts[0]):<5} {shown}")
+    return "\n".join(lines)
+
+
+def summarize_topology(layout: Layout) -> str:
     """Per mode: group count, size, stride pattern and rank 0's group (``gridtrain topo``)."""
-    groups = build_groups(config, world_size)
-    lines = topology_header(config, world_size)
+    lines = topology_header(layout)
     lines.append(f"{'mode':<28} {'groups':>6} {'size':>5}  {'ranks of a group':<32} rank 0's group")
-    for mode, parts in groups.items():
+    for mode, parts in layout.partitions.items():
         each = [stride_axes(g) for g in parts]
         axes = each[0] if all(a == each[0] for a in each) else None
         lines.append(
@@ -97,20 +117,15 @@ def summarize_topology(config: Config, world_size: int) -> str:
     return "\n".join(lines)
 
 
-def format_rank(config: Config, world_size: int, rank: int) -> str:
-    """Every group that holds ``rank``, in local-rank order (``gridtrain topo --rank R``)."""
-    groups = build_groups(config, world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    P, T = config.pipeline_size, config.tensor_size
-    d, p, t = rank // (P * T), (rank // T) % P, rank % T
-    lines = topology_header(config, world_size)
-    lines.append(f"rank {rank}: d={d}, p={p}, t={t}")
+def format_rank(layout: Layout) -> str:
+    """Every group of the layout's rank, in local-rank order (``gridtrain topo --rank R``)."""
+    d, p, t = layout.coordinates
+    lines = topology_header(layout)
+    lines.append(f"rank {layout.global_rank}: d={d}, p={p}, t={t}")
     lines.append(f"{'mode':<28} {'local rank':>12}  group")
-    for mode, parts in groups.items():
-        g = group_of(parts, rank)
-        local = f"{g.index(rank)} of {len(g)}"
-        lines.append(f"{mode.name:<28} {local:>12}  {_runs(g)}")
+    for mode in layout.partitions:
+        local = f"{layout.local_rank(mode)} of {layout.world_size(mode)}"
+        lines.append(f"{mode.name:<28} {local:>12}  {_runs(layout.ranks(mode))}")
     return "\n".join(lines)
 
 

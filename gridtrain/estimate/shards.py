@@ -1,12 +1,9 @@
-"""A layout without processes: the rank grid as ``topology.build_groups`` lists it, and the engine's
-own tensor plan of a model built on the meta device.
+"""Per-rank parameter shapes: the engine's own tensor plan of a model built on the meta device.
 
-``LayoutContext`` answers what the planner and the mode layers ask of a
-``ParallelContext`` while they are *built* (``world_size``, ``local_rank``,
-``ranks``, ``tensor_mode``, ``config``): only the forward passes need process
-groups, and a layout context has none. So ``build_plan`` plus each layer's
-constructor give the exact per-rank shard shapes of any hypothetical world,
-thousands of ranks included, on one CPU.
+The planner and each mode layer's constructor run on a ``Layout`` (the rank grid with no
+process groups: they ask only for sizes and ranks while they are built), so ``build_plan``
+gives the exact per-rank shard shapes of any hypothetical world, thousands of ranks
+included, on one CPU.
 """
 
 from __future__ import annotations
@@ -21,58 +18,9 @@ from torch import nn
 from gridtrain.config import Config
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.skeleton import meta_skeleton
-from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.layout import Layout
 from gridtrain.parallel.tensor.parallelize import build_plan
 from gridtrain.parallel.tensor.plan import Plan
-from gridtrain.parallel.topology import Groups, build_groups, group_of
-
-
-class LayoutContext:
-    """One rank of a hypothetical world: group lists, no process groups (see module docstring)."""
-
-    def __init__(
-        self, config: Config, world_size: int, rank: int = 0, groups: Groups | None = None
-    ):
-        self.config = config
-        self.global_rank = rank
-        self.device = torch.device("meta")
-        groups = groups if groups is not None else build_groups(config, world_size)
-        self._ranks = {mode: group_of(parts, rank) for mode, parts in groups.items()}
-
-    @property
-    def tensor_mode(self) -> str | None:
-        return self.config.tensor_mode
-
-    def is_initialized(self, mode: ParallelMode) -> bool:
-        return mode in self._ranks
-
-    def ranks(self, mode: ParallelMode = ParallelMode.GLOBAL) -> tuple[int, ...]:
-        if mode not in self._ranks:
-            raise ValueError(f"parallel mode {mode.name} does not exist in this layout")
-        return self._ranks[mode]
-
-    def world_size(self, mode: ParallelMode = ParallelMode.GLOBAL) -> int:
-        return len(self.ranks(mode))
-
-    def local_rank(self, mode: ParallelMode = ParallelMode.GLOBAL) -> int:
-        return self.ranks(mode).index(self.global_rank)
-
-    def group(self, mode: ParallelMode = ParallelMode.GLOBAL):
-        raise RuntimeError(
-            "a LayoutContext has no process groups: only layer constructors may use it"
-        )
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size(ParallelMode.DATA)
-
-    @property
-    def pipeline_parallel_size(self) -> int:
-        return self.world_size(ParallelMode.PIPELINE)
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self.world_size(ParallelMode.TENSOR)
 
 
 def tensor_config(mode: str | None, size: int, depth: int = 1, ring: str = "standard") -> Config:
@@ -142,10 +90,10 @@ def tensor_shards(spec: ModelSpec, mode: str | None, size: int, depth: int = 1) 
     Raises the planner's ``PlanError`` (layer, dim, divisor) when the layout does not fit.
     """
     cfg = tensor_config(mode, size, depth)
-    ctx = LayoutContext(cfg, size)
+    layout = Layout(cfg, size)
     model = meta_skeleton(spec)
     example = torch.zeros(max(1, size), min(spec.seq_len, 8), dtype=torch.long, device="meta")
-    plan = build_plan(model, ctx, example if mode not in (None, "sequence") else None)
+    plan = build_plan(model, layout, example if mode not in (None, "sequence") else None)
     owned: set[int] = set()
     layers = [_layer_shards(n, m, plan, owned) for n, m in model.named_children()]
     return TensorShards(plan, *layers)
