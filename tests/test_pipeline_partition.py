@@ -11,8 +11,8 @@ from helpers.pipeline_models import LMLoss, batches, tied_lm
 from torch import nn
 
 import gridtrain as gt
-from gridtrain.engine.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.materialize import lazy_init
+from gridtrain.parallel.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.pipeline import build_stage, layer_list, partition
 from gridtrain.parallel.pipeline.balance import layer_costs
 from gridtrain.parallel.pipeline.table import compress
@@ -250,3 +250,10 @@ def test_a_forward_that_is_not_a_chain_is_refused_by_name():
 def test_stage_names_are_compressed_in_runs():
     assert compress(("emb", "blocks.0", "blocks.1", "blocks.2", "norm")) == "emb, blocks.0-2, norm"
     assert compress(("0", "1", "3", "x.4")) == "0-1, 3, x.4"
+
+
+def test_tied_weights_built_apart_are_marked_through_the_documented_call():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    gt.parallel.pipeline.mark_pipeline_shared(a.weight, b.weight)
+    assert is_pipeline_shared(a.weight) and is_pipeline_shared(b.weight)
+    assert not is_pipeline_shared(a.bias)

@@ -10,10 +10,12 @@ pretrained weights in and out of any layout.
 
 ``gt.initialize`` calls this package for any ``transformers`` model (the model
 adapter of ``parallel/tensor/plan.py``): ``plan_model`` gives the tensor plan
-(``plans.py``: gridtrain's for GPT-2, the model's own ``_tp_plan`` for the Llama
-family, head checks), ``after_apply`` fixes what the model's code needs once sharded
-(``patches.py``; ring attention and global positions under 'sequence':
-``attention.py``), and ``pipeline_layers`` cuts it along its layer list
+(``plans.py``: gridtrain's for GPT-2 and Phi-3, the model's own ``_tp_plan`` for the
+Llama family, head checks) and checks what replaced layers must keep computing
+(``families.py``: Gemma's scaled embedding and ``1 + weight`` norms; anything else is
+refused by name), ``after_apply`` fixes what the model's code needs once sharded
+(``patches.py``, ``families.py``; ring attention and global positions under
+'sequence': ``attention.py``), and ``pipeline_layers`` cuts it along its layer list
 (``pipeline.py``). ``save_pretrained`` / ``load_pretrained`` (``save.py``,
 ``load.py``) move weights between any layout and a Hugging Face directory.
 
