@@ -23,10 +23,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gridtrain run --nproc_per_node $(NPROC) --config $(DEMO_CONFIG) demos/gpt/train.py
 
-## make test: lint, then the whole test suite on gloo processes
+## make test: lint, the import layers (pyproject.toml), then the whole test suite on gloo processes
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
 
 ## make test-gpu: the CUDA paths on one GPU (tests/gpu); every test skips without CUDA
@@ -38,4 +39,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .import_linter_cache
