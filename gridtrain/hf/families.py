@@ -89,26 +89,30 @@ def _scale_hook(scale: Tensor):
 
 def _norm_form(name: str, module: nn.Module, kind: NormKind) -> str:
     """``"plain"`` (weight * normalised), ``OFFSET`` ((1 + weight) * normalised), or PlanError."""
-    probe = copy.deepcopy(module).to_empty(device="cpu").to(torch.float64)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, kind.hidden, generator=g, dtype=torch.float64)
     w = 0.5 * torch.randn(kind.hidden, generator=g, dtype=torch.float64)
+    probe = copy.deepcopy(module).to_empty(device="cpu").to(torch.float64)
+    why = ""
     with torch.no_grad():
         probe.weight.copy_(w)
         if getattr(probe, "bias", None) is not None:
             probe.bias.zero_()
-        y = probe(x).double()
-    if not kind.rms:
-        x = x - x.mean(-1, keepdim=True)
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + kind.eps)
+        try:
+            y = probe(x).double()
+        except Exception as err:  # noqa: BLE001 - a norm that cannot run alone is unknown
+            y, why = None, f" (its forward fails on one input: {type(err).__name__})"
+    centred = x if kind.rms else x - x.mean(-1, keepdim=True)
+    normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + kind.eps)
     for form, scale in (("plain", w), (OFFSET, 1 + w)):
-        if torch.allclose(y, normed * scale, rtol=1e-4, atol=1e-5):  # float32 inside some norms
+        # rtol: some norms compute in float32 inside
+        if y is not None and torch.allclose(y, normed * scale, rtol=1e-4, atol=1e-5):
             return form
     raise PlanError(
         f"'{name}' ({type(module).__name__}) computes neither weight * x / rms(x) nor "
-        f"(1 + weight) * x / rms(x); under 2d/2.5d/3d gridtrain's norm over the split hidden "
-        f"dimension would replace it with a different function; use 1d, sequence or a "
-        f"pipeline for this model"
+        f"(1 + weight) * x / rms(x){why}; under 2d/2.5d/3d gridtrain's norm over the split "
+        "hidden dimension would replace it with a different function; use 1d, sequence or a "
+        "pipeline for this model"
     )
 
 
