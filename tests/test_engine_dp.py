@@ -7,10 +7,10 @@ from helpers.engine_models import MLP, dense_state, dense_train, global_batches,
 from helpers.harness import run_distributed
 
 import gridtrain as gt
-from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.gradient_handlers import SequenceParallelGradientHandler, handler_class
 from gridtrain.parallel import comm
 from gridtrain.parallel.sharding import set_dp_mode
+from gridtrain.parallel.sync import OverlappedDataParallel
 
 PM = gt.ParallelMode
 STEPS, GLOBAL_BATCH = 3, 8
@@ -35,7 +35,11 @@ def _train_dp(ctx, perturb):
         engine.backward(loss)
         assert engine.step()
         losses.append(loss.item())
-    return gt.full_state_dict(engine.model), losses, engine.data_parallel is not None
+    return (
+        gt.full_state_dict(engine.model),
+        losses,
+        isinstance(engine.grad_sync, OverlappedDataParallel),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])

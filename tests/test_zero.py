@@ -200,16 +200,16 @@ def _reduce_scatters_per_micro_step(ctx, batches, accumulation):
     """Reduce-scatters issued after each micro-step of one window (and after its step)."""
     import torch.distributed as dist
 
-    from gridtrain.parallel.zero import partitioned
+    from gridtrain.parallel.zero import row_buckets
 
     calls = []
-    originals = (partitioned.reduce_scatter_single, dist.reduce_scatter_single)
+    originals = (row_buckets.reduce_scatter_single, dist.reduce_scatter_single)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return originals[1](*args, **kwargs)
 
-    partitioned.reduce_scatter_single = dist.reduce_scatter_single = counting
+    row_buckets.reduce_scatter_single = dist.reduce_scatter_single = counting
     try:
         model = _model()
         engine, *_ = gt.initialize(model, _adamw(model), lm_loss)
@@ -223,7 +223,7 @@ def _reduce_scatters_per_micro_step(ctx, batches, accumulation):
         seen.append(len(calls))
         return seen
     finally:
-        partitioned.reduce_scatter_single, dist.reduce_scatter_single = originals
+        row_buckets.reduce_scatter_single, dist.reduce_scatter_single = originals
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 import gridtrain as gt  # noqa: E402
 from demos.moe.model import MoeCriterion, WideNet, WideNetConfig  # noqa: E402
 from gridtrain.parallel.zero.memory import optimizer_state_numel  # noqa: E402
-from gridtrain.parallel.zero.partition import get_zero_rows  # noqa: E402
+from gridtrain.parallel.zero.rows import get_zero_rows  # noqa: E402
 
 CFG = WideNetConfig(  # as test_moe_parity: capacity 16 drops no token
     img_size=8,

@@ -1,7 +1,7 @@
 """Naive fp16 under ZeRO: the fp32 masters are the optimizer's sharded parameters.
 
 Stages 1-2: the model is cast to fp16 (``NaiveAmpModel``) and each rank's masters are
-fp32 copies of its rows (``zero.partitioned``); stage 3: the model's FSDP2 parameters
+fp32 copies of its rows (``zero.stage12``); stage 3: the model's FSDP2 parameters
 are the fp32 masters, computed in fp16 by FSDP2's mixed-precision policy. Either way
 the gradients reach the masters already reduced over the data-parallel group, still
 multiplied by the loss scale; a rank sees only its rows, so the overflow flag is
@@ -21,7 +21,7 @@ from gridtrain.amp.scaler import DynamicLossScaler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.zero.partition import local
+from gridtrain.parallel.zero.rows import local
 
 
 class ShardedNaiveAmpOptimizer(AmpOptimizer):

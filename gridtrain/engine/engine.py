@@ -27,9 +27,10 @@ from gridtrain.amp.optimizer import AmpOptimizer
 from gridtrain.amp.torch_amp import autocast
 from gridtrain.engine.accumulation import GradientAccumulation
 from gridtrain.engine.clip import clip_grad_norm
-from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.nonfinite import (
     NonFiniteGuard,
+    Outcome,
+    WindowCheck,
     found_inf,
     fused_skip_target,
 )
@@ -39,6 +40,7 @@ from gridtrain.gradient_handlers.base import GradientHandler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.sync import GradSync, GradSyncs
 from gridtrain.parallel.tags import default_dp_mode
 from gridtrain.parallel.tensor.modes import split_batch
 from gridtrain.parallel.tensor.sequence import mark_sequence_sharded
@@ -69,8 +71,7 @@ class Engine:
         criterion: nn.Module | None,
         ctx: ParallelContext,
         schedule: Schedule,
-        gradient_handlers: list[GradientHandler] | None = None,
-        data_parallel: OverlappedDataParallel | None = None,
+        grad_sync: GradSync,
         autocast_dtype=None,
         lr_scheduler=None,
         plan=None,
@@ -83,8 +84,7 @@ class Engine:
         self.schedule = schedule
         self.plan = plan  # the layout and tensor plan (print it): a Plan in every layout
         self.lr_scheduler = lr_scheduler
-        self.gradient_handlers = list(gradient_handlers or [])
-        self.data_parallel = data_parallel
+        self.grad_sync = grad_sync  # engine/grad_sync.py: one per configuration
         self.autocast_dtype = autocast_dtype
         self.clip_grad_norm = ctx.config.clip_grad_norm
         self._attention = getattr(ctx.config, "attention", None)
@@ -96,7 +96,6 @@ class Engine:
         self.accumulation = GradientAccumulation(ctx.config.gradient_accumulation)
         self._user_criterion = criterion
         self.criterion = _SplitCriterion(criterion, self) if criterion is not None else None
-        self.global_step = 0  # optimizer steps taken (skipped steps not counted)
         self.last_grad_norm: Tensor | None = None  # before clipping, when clipping is on
         self.last_step_skipped = False  # the last window overflowed (fp16) or was not finite
         self._bn_buffers = _batchnorm_buffers(model)
@@ -197,21 +196,17 @@ class Engine:
 
     @contextlib.contextmanager
     def overlap_grad_sync(self) -> Iterator[None]:
-        """Wrap the last backward before ``step()``: its gradients are all-reduced as they are made.
+        """Wrap each backward in it: the accumulation window's last one syncs its gradients
+        as they are made (the overlapped all-reduce, ZeRO's reduce-scatter, FSDP2, Gemini's
+        host stream); earlier ones accumulate locally. Schedules wrap their final backward."""
+        with self.grad_sync.around_backward(self.accumulation.in_last_micro_step):
+            yield
 
-        A no-op except in the accumulation window's last micro-step on the
-        overlapped data-parallel path. Schedules wrap their final backward in it.
-        Under ZeRO only this backward reduce-scatters (earlier ones accumulate locally).
-        """
-        if self.zero is not None:
-            with self.zero.sync(self.accumulation.in_last_micro_step):
-                yield
-            return
-        if self.data_parallel is None or not self.accumulation.in_last_micro_step:
-            yield
-            return
-        with self.data_parallel.overlap():
-            yield
+    @property
+    def gradient_handlers(self) -> list[GradientHandler]:
+        """The gradient handlers in this engine's sync (configured, or for tied weights)."""
+        parts = self.grad_sync.parts if isinstance(self.grad_sync, GradSyncs) else [self.grad_sync]
+        return [p for p in parts if isinstance(p, GradientHandler)]
 
     # ---- optimizer -----------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -222,7 +217,7 @@ class Engine:
         self.model.zero_grad(set_to_none=True)
 
     def _params(self) -> list[Tensor]:
-        if isinstance(self.optimizer, AmpOptimizer):
+        if self._amp() is not None:
             return self.optimizer.grad_params()
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -234,90 +229,74 @@ class Engine:
         bf16: every rank skips; ``max_nonfinite_steps`` such steps in a row raise). With a
         fused optimizer on CUDA the non-finite skip happens on the device and is known
         one step later (``gridtrain.engine.nonfinite``): this step returns True, and the
-        next one corrects ``global_step`` and the count.
+        next one (or ``settle()``) takes it off ``global_step`` and counts it.
         """
         if not self.accumulation.window_complete:
             return False
         self.accumulation.reset()
-        if self.zero is not None:  # tied pipeline weights sum their full gradients first
-            for handler in self.gradient_handlers:
-                handler.handle_gradient()
-            self.zero.finish_grad_sync()
-        else:
-            if self.data_parallel is not None:
-                self.data_parallel.finish()
-            for handler in self.gradient_handlers:
-                handler.handle_gradient()
-        amp = self.optimizer if isinstance(self.optimizer, AmpOptimizer) else None
-        guard = self.nonfinite
-        overflow, overflow_flag = False, None
+        self.grad_sync.finish()
+        check = self._check_window()
+        outcome = self.nonfinite.before_step(check, self.zero_grad_all)
+        if outcome.stepped:
+            with found_inf(check.device_skip, check.flag):
+                self.optimizer.step()
+            self.grad_sync.after_step()
+            outcome = self.nonfinite.after_step(check, self.zero_grad_all)
+        self._after_outcome(outcome)
+        return outcome.stepped
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken; skipped windows are not counted (one skipped on the device
+        on CUDA from the next step, or ``settle()``, on)."""
+        return self.nonfinite.steps_taken
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.nonfinite.steps_taken = value
+
+    def _amp(self) -> AmpOptimizer | None:
+        return self.optimizer if isinstance(self.optimizer, AmpOptimizer) else None
+
+    def _check_window(self) -> WindowCheck:
+        """Unscale (fp16) and clip the window's gradients; its overflow and non-finite flags."""
+        amp, check = self._amp(), WindowCheck()
         if self._scaler_skips_on_device(amp):  # fused optimizer: GradScaler skips in-kernel
-            overflow_flag = amp.unscale_flag()
+            check.overflow_flag = amp.unscale_flag()
         elif amp is not None:
-            overflow = amp.unscale_and_check()
-        if self.clip_grad_norm > 0 and not overflow:
+            check.overflow = amp.unscale_and_check()
+        if self.clip_grad_norm > 0 and not check.overflow:
             self.last_grad_norm = clip_grad_norm(self._params(), self.clip_grad_norm, self.ctx)
         self.settle()  # the previous window's device flags (CUDA: read a step late)
-        nonfinite, flag = False, None
-        device_skip = self._device_skip_target(amp)
         if getattr(amp, "scaler", None) is None:  # no loss scaler looks out for inf/NaN
             norm = self.last_grad_norm if self.clip_grad_norm > 0 else None
-            flag = guard.window_flag(norm)
-            if device_skip is None:
-                nonfinite = bool(flag.item())
-                guard.record(nonfinite, self.global_step, self.zero_grad_all)
-        skip = overflow or nonfinite
-        if not skip:
-            with found_inf(device_skip, flag) if device_skip else contextlib.nullcontext():
-                self.optimizer.step()
-            if self.zero is not None:
-                self.zero.after_step()  # stages 1-2: all-gather the updated rows
-            self.global_step += 1
-            if device_skip is not None:
-                outcome = guard.late.push(flag)  # None: known at the next step (CUDA)
-                if outcome:
-                    self.global_step -= 1
-                    nonfinite = skip = True
-                if outcome is not None:
-                    guard.record(outcome, self.global_step, self.zero_grad_all)
-            if overflow_flag is not None and guard.overflow.push(overflow_flag):
-                self.global_step -= 1  # known at once (CPU): as if skipped before the step
-                overflow = skip = True
+            check.flag = self.nonfinite.window_flag(norm)
+            check.device_skip = self._fused_target(self.optimizer)
+        return check
+
+    def _after_outcome(self, outcome: Outcome) -> None:
+        """The loss scale and the LR scheduler follow the window's outcome."""
+        amp = self._amp()
         if amp is not None:
-            amp.update_scale(overflow)
-        if overflow:
+            amp.update_scale(outcome.overflow)
+        if outcome.overflow:
             logger.info("fp16 gradients overflowed: step skipped on every rank")
-        elif not nonfinite and self.lr_scheduler is not None:
+        elif not outcome.nonfinite and self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.last_step_skipped = skip
-        return not skip
+        self.last_step_skipped = not outcome.stepped
 
     def settle(self) -> None:
         """Read the device-side skip flags still pending (on CUDA, the last step's) and
-        correct ``global_step`` and the non-finite count now. ``step()`` does it a step
-        late; the Trainer calls it at each epoch's end and before saving its counters."""
-        guard = self.nonfinite
-        if guard.overflow.pop():  # that window overflowed: it was counted as taken
-            self.global_step -= 1
-            logger.info("fp16 gradients overflowed: step skipped on every rank")
-        settled = guard.late.pop()
-        if settled is not None:
-            self.global_step -= settled  # it was counted as taken
-            guard.record(settled, self.global_step, None)
+        count their outcome now. ``step()`` does it a step late; the Trainer calls it at
+        each epoch's end and before saving its counters."""
+        self.nonfinite.settle()
 
     def _fused_target(self, optimizer) -> torch.optim.Optimizer | None:
         """The fused torch optimizer under ``optimizer`` that can skip on a device flag
-        (``fused_skip_target``); none over FSDP2's DTensor parameters (ZeRO 3)."""
-        if self.zero is not None and self.zero.stage == 3:
+        (``fused_skip_target``); none where the gradient sync rules it out (ZeRO 3)."""
+        if not self.grad_sync.allows_device_skip:
             return None
         return fused_skip_target(optimizer, self.ctx.device)
-
-    def _device_skip_target(self, amp) -> torch.optim.Optimizer | None:
-        """The optimizer that skips a non-finite step on the device; none under a loss
-        scaler, which has its own check."""
-        if getattr(amp, "scaler", None) is not None:
-            return None
-        return self._fused_target(self.optimizer)
 
     def _scaler_skips_on_device(self, amp) -> bool:
         """torch's GradScaler over a fused optimizer: the overflow skip needs no host sync."""

@@ -18,23 +18,21 @@ import torch
 from torch import nn
 
 from gridtrain.amp import convert_to_amp
-from gridtrain.config import GradientHandlerConfig
 from gridtrain.engine.compile import compile_criterion, compile_model
-from gridtrain.engine.data_parallel import OverlappedDataParallel
 from gridtrain.engine.engine import Engine
-from gridtrain.engine.optimizer_rebind import rebind_optimizer
+from gridtrain.engine.grad_sync import build_grad_sync
 from gridtrain.engine.recompute import apply_activation_checkpoint, block_types
 from gridtrain.engine.schedules import NonPipelineSchedule
-from gridtrain.gradient_handlers import DATA_PARALLEL_HANDLERS, handler_class
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.materialize import materialise
-from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.tags import default_dp_mode, get_dp_mode, is_pipeline_shared
+from gridtrain.parallel.optimizer_rebind import rebind_optimizer
+from gridtrain.parallel.tags import default_dp_mode, get_dp_mode
 from gridtrain.parallel.tensor.chunked_loss import ChunkedHead
 from gridtrain.parallel.tensor.coverage import coverage_notice
 from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan, find_heads
-from gridtrain.parallel.tensor.plan import Plan
+from gridtrain.parallel.tensor.plan import ModelAdapter, Plan
+from gridtrain.parallel.tensor.registry import spec_of
 from gridtrain.parallel.zero import build_zero
 
 logger = logging.getLogger("gridtrain")
@@ -56,16 +54,6 @@ def broadcast_from_first_replica(model: nn.Module, ctx: ParallelContext) -> None
             t.data.copy_(data)
 
 
-def _any_rank_has_shared(model: nn.Module, ctx: ParallelContext) -> bool:
-    """Whether any stage holds tied pipeline weights (the handler's set-up is collective)."""
-    if ctx.pipeline_parallel_size == 1:
-        return False
-    local = any(is_pipeline_shared(p) for p in model.parameters())
-    flag = torch.tensor([1.0 if local else 0.0], device=ctx.device)
-    comm.all_reduce_(flag, ctx.group(ParallelMode.GLOBAL))
-    return flag.item() > 0
-
-
 def example_from(train_dataloader: Any, model: nn.Module) -> Any:
     """An input to trace the model with: the first batch's data, else the model's
     ``dummy_inputs`` (Hugging Face), else None (the planner then builds one from the
@@ -81,17 +69,34 @@ def example_from(train_dataloader: Any, model: nn.Module) -> Any:
     return dummy if isinstance(dummy, dict) else None
 
 
-def shard_model(model: nn.Module, optimizer, ctx: ParallelContext, example: Any = None) -> Plan:
+def _check_arguments(model, optimizer, criterion) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"initialize: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if criterion is not None and not callable(criterion):
+        raise TypeError(f"initialize: criterion must be callable, got {type(criterion).__name__}")
+
+
+def shard_model(
+    model: nn.Module,
+    optimizer,
+    ctx: ParallelContext,
+    example: Any = None,
+    adapter: ModelAdapter | None = None,
+) -> Plan:
     """Plan and apply tensor parallelism to ``model`` in place; returns the plan (a ``Plan``
     in every layout: with no tensor mode it shows the data / pipeline / ZeRO layout).
 
     With ``chunked_loss`` the model's heads then return deferred logits (``chunked_loss.py``).
     """
-    plan = build_plan(model, ctx, example)
+    plan = build_plan(model, ctx, example, adapter)
     heads: dict = {}
     if ctx.tensor_mode is not None:
         heads = plan.heads
-        new_of = apply_plan(model, plan, ctx)
+        new_of = apply_plan(model, plan, ctx, adapter)
         rebind_optimizer(optimizer, new_of, ctx=ctx)
         logger.info("%s", plan)
         notice = coverage_notice(plan, model)
@@ -120,6 +125,7 @@ def initialize(
     lr_scheduler=None,
     ctx: ParallelContext | None = None,
     example_inputs: Any = None,
+    adapter: ModelAdapter | None = None,
 ):
     """Build the Engine; returns ``(engine, train_dataloader, test_dataloader, lr_scheduler)``.
 
@@ -132,7 +138,9 @@ def initialize(
     ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
     the plan is traced, ``example_inputs`` (else the first batch of
     ``train_dataloader``, else the model's ``dummy_inputs``, else an input built from the
-    model's entry layer) drives the trace on meta.
+    model's entry layer) drives the trace on meta. ``adapter`` is the model library's
+    adapter (its plan, head checks and pipeline layers): ``gt.initialize`` passes
+    ``gridtrain.adapters.adapter_for(model)``, ``gridtrain.hf`` for a ``transformers`` model.
     Parameters are then broadcast over their data-parallel group, so replicas start
     equal. With ``zero``, the optimizer is then rebound once more, to the rows of each
     parameter this rank owns (``gridtrain.parallel.zero``). The engine steps
@@ -141,20 +149,11 @@ def initialize(
     """
     ctx = ctx or get_context()
     cfg = ctx.config
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"initialize: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if criterion is not None and not callable(criterion):
-        raise TypeError(f"initialize: criterion must be callable, got {type(criterion).__name__}")
-
-    needs_example = example_inputs is None and (
-        ctx.tensor_mode not in (None, "sequence") or cfg.chunked_loss is not None
-    )
-    example = example_from(train_dataloader, model) if needs_example else example_inputs
-    plan = shard_model(model, optimizer, ctx, example)
+    _check_arguments(model, optimizer, criterion)
+    example = example_inputs  # the planner traces where the mode needs it, and chunked_loss
+    if example is None and (spec_of(ctx).needs_flow is not None or cfg.chunked_loss is not None):
+        example = example_from(train_dataloader, model)
+    plan = shard_model(model, optimizer, ctx, example, adapter)
     recompute = None  # the block classes to checkpoint, seen on the whole model
     if cfg.activation_checkpoint is not None:
         recompute = block_types(model)
@@ -165,7 +164,7 @@ def initialize(
     if ctx.pipeline_parallel_size > 1:
         from gridtrain.engine.pipeline import prepare_pipeline
 
-        model, optimizer, schedule = prepare_pipeline(model, optimizer, ctx)
+        model, optimizer, schedule = prepare_pipeline(model, optimizer, ctx, adapter)
         plan.stages = model.stage_table  # printed with the plan
     else:
         schedule = NonPipelineSchedule()
@@ -188,39 +187,13 @@ def initialize(
         criterion = compile_criterion(criterion, cfg.compile, ctx)
     zero = build_zero(model, optimizer, ctx)  # rebinds the optimizer to this rank's rows
     model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx, zero)
-
-    names = [h.type for h in cfg.gradient_handler]
-    cfg_handlers = list(cfg.gradient_handler)
-    if zero is not None and any(n in DATA_PARALLEL_HANDLERS for n in names):
-        logger.info("zero stage %d reduces gradients itself: %s not used", zero.stage, names)
-        cfg_handlers = [h for h in cfg_handlers if h.type not in DATA_PARALLEL_HANDLERS]
-        names = [h.type for h in cfg_handlers]
-    if "PipelineSharedModuleGradientHandler" not in names and _any_rank_has_shared(model, ctx):
-        cfg_handlers.append(GradientHandlerConfig(type="PipelineSharedModuleGradientHandler"))
-    handlers = [handler_class(h.type)(model, ctx, **h.kwargs) for h in cfg_handlers]
-    data_parallel = None
-    if zero is not None:
-        data_parallel = zero.grad_sync  # stages 1-2: the overlapped path, reduce-scattering
-    elif not any(n in DATA_PARALLEL_HANDLERS for n in names):
-        data_parallel = OverlappedDataParallel(model, ctx)
-        if not data_parallel.enabled:
-            data_parallel.remove_hooks()
-            data_parallel = None
-    logger.debug(
-        "engine: handlers %s, overlapped data-parallel %s, accumulation %d, clip %g",
-        [type(h).__name__ for h in handlers],
-        data_parallel is not None,
-        cfg.gradient_accumulation,
-        cfg.clip_grad_norm,
-    )
     engine = Engine(
         model,
         optimizer,
         criterion,
         ctx,
         schedule,
-        gradient_handlers=handlers,
-        data_parallel=data_parallel,
+        build_grad_sync(model, ctx, zero),  # after amp: buckets are per dtype
         autocast_dtype=autocast_dtype,
         lr_scheduler=lr_scheduler,
         plan=plan,

@@ -9,13 +9,19 @@ fused Adam/AdamW/SGD, as GradScaler drives them) skip on the device instead; on
 CUDA the host then reads the flag one step later, from a pinned copy, when it is
 long done, so the counting (``global_step``, ``max_nonfinite_steps``) lags by a step
 and an LR scheduler still advances on a skipped step, as under torch's GradScaler.
+
+The guard also concludes each window: ``before_step``/``after_step`` return the step's
+``Outcome`` (taken, overflowed, not finite) as far as it is known, fp16 overflows
+included, and ``global_step`` is the windows concluded less those known skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +36,34 @@ class NonFiniteLossError(RuntimeError):
     """Training stopped: the loss or gradient norm was not finite ``max_nonfinite_steps`` times."""
 
 
+@dataclasses.dataclass
+class WindowCheck:
+    """What the engine learnt about a window's gradients before its optimizer step."""
+
+    overflow: bool = False  # fp16 overflow read on the host: the step is skipped
+    overflow_flag: Tensor | None = None  # GradScaler's flag, left on the device for a fused step
+    flag: Tensor | None = None  # the non-finite flag (no loss scaler), maxed over every rank
+    device_skip: torch.optim.Optimizer | None = None  # the fused optimizer skipping on ``flag``
+
+
+class Outcome(NamedTuple):
+    """A window's outcome as known now (deferred device flags: not yet, so taken)."""
+
+    overflow: bool = False
+    nonfinite: bool = False
+
+    @property
+    def stepped(self) -> bool:
+        return not (self.overflow or self.nonfinite)
+
+
 class NonFiniteGuard:
-    """Collects the window's non-finite flag and decides (or lets the device decide) the skip."""
+    """Decides (or lets the device decide) each window's skip and counts the windows.
+
+    ``steps_taken`` is the engine's ``global_step``: windows concluded less those known
+    skipped. A window skipped on the device counts as taken until its flag is read (at
+    once, or a step later on CUDA), as the step's return value says.
+    """
 
     def __init__(self, device: torch.device, group, limit: int, defer: bool | None = None):
         self.device = device
@@ -41,9 +73,18 @@ class NonFiniteGuard:
         self.late = LateFlag(defer)  # the non-finite flag of a device-skipped step
         self.overflow = LateFlag(defer)  # fp16: the loss scaler's overflow flag, the same way
         self.in_a_row = 0
-        self.skipped = 0  # windows skipped so far: global_step does not count them
+        self.windows = 0  # optimizer windows concluded, skipped or not
+        self.skipped = 0  # of them, those known to have skipped their step
         self.speaks = group is None or dist.get_rank(group) == 0  # every rank skips; one says so
         self._flag: Tensor | None = None  # any non-finite loss in this window (on device)
+
+    @property
+    def steps_taken(self) -> int:
+        return self.windows - self.skipped
+
+    @steps_taken.setter
+    def steps_taken(self, value: int) -> None:  # a resumed run's count
+        self.windows = value + self.skipped
 
     def observe_loss(self, loss: Tensor) -> None:
         """Note one micro-step's loss (no sync)."""
@@ -62,11 +103,52 @@ class NonFiniteGuard:
             comm.all_reduce_(bad, self.group, op=dist.ReduceOp.MAX)
         return bad
 
-    def record(self, bad: bool, step: int, drop_grads: Callable[[], None] | None) -> None:
-        """Count a window's outcome; ``max_nonfinite_steps`` bad ones in a row raise.
+    def before_step(self, check: WindowCheck, drop_grads: Callable[[], None]) -> Outcome:
+        """The outcome known before the optimizer steps: an overflow read on the host, or a
+        non-finite window read at once (no fused optimizer to skip on the device). A window
+        skipped here is concluded here."""
+        nonfinite = False
+        if check.flag is not None and check.device_skip is None:
+            nonfinite = bool(check.flag.item())
+            self.record(nonfinite, self.windows, drop_grads)
+        outcome = Outcome(check.overflow, nonfinite)
+        if not outcome.stepped:
+            self._conclude(outcome)
+        return outcome
 
-        ``step``: the optimizer steps taken before this window (``global_step``); the
-        warning names the window's own number, skipped windows included.
+    def after_step(self, check: WindowCheck, drop_grads: Callable[[], None]) -> Outcome:
+        """After the optimizer stepped, skipping or not on a device flag: the flags read now,
+        or queued for :meth:`settle` (deferred: taken until then). Concludes the window."""
+        nonfinite = overflow = False
+        if check.device_skip is not None:
+            late = self.late.push(check.flag)
+            if late is not None:
+                nonfinite = late
+                self.record(late, self.windows, drop_grads)
+        if check.overflow_flag is not None:
+            overflow = bool(self.overflow.push(check.overflow_flag))
+        outcome = Outcome(overflow, nonfinite)
+        self._conclude(outcome)
+        return outcome
+
+    def settle(self) -> None:
+        """Read the flags the last window queued (waits for them) and count its skip."""
+        if self.overflow.pop():
+            self.skipped += 1
+            logger.info("fp16 gradients overflowed: step skipped on every rank")
+        late = self.late.pop()
+        if late is not None:
+            self.skipped += late
+            self.record(late, self.windows - 1, None)
+
+    def _conclude(self, outcome: Outcome) -> None:
+        self.windows += 1
+        self.skipped += not outcome.stepped
+
+    def record(self, bad: bool, window: int, drop_grads: Callable[[], None] | None) -> None:
+        """Count a non-finite check's result; ``max_nonfinite_steps`` bad ones in a row raise.
+
+        ``window``: the window's own number (skipped windows included), named in the warning.
         """
         if not bad:
             self.in_a_row = 0
@@ -77,10 +159,9 @@ class NonFiniteGuard:
         if self.speaks:
             logger.warning(
                 "non-finite loss or gradient norm: step %d skipped on every rank (%d in a row)",
-                step + self.skipped,
+                window,
                 self.in_a_row,
             )
-        self.skipped += 1
         if self.limit and self.in_a_row >= self.limit:
             raise NonFiniteLossError(
                 f"the loss or gradient norm was not finite in {self.in_a_row} steps "
@@ -150,9 +231,12 @@ def fused_skip_target(optimizer, device: torch.device) -> torch.optim.Optimizer 
 
 
 @contextlib.contextmanager
-def found_inf(optimizer: torch.optim.Optimizer, flag: Tensor) -> Iterator[None]:
+def found_inf(optimizer: torch.optim.Optimizer | None, flag: Tensor | None) -> Iterator[None]:
     """Hand ``flag`` to a fused optimizer's next step (it leaves the parameters and its
-    step counts unchanged where the flag is non-zero)."""
+    step counts unchanged where the flag is non-zero); nothing without an optimizer."""
+    if optimizer is None:
+        yield
+        return
     optimizer.found_inf = flag
     try:
         yield

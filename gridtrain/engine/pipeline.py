@@ -10,7 +10,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gridtrain.config import ConfigError
-from gridtrain.engine.optimizer_rebind import rebind_optimizer
 from gridtrain.engine.schedules import (
     InterleavedPipelineSchedule,
     PipelineSchedule,
@@ -19,6 +18,7 @@ from gridtrain.engine.schedules import (
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.pipeline.p2p import first_last_stage_group
 from gridtrain.parallel.pipeline.partition import PipelineStage, build_stage
 from gridtrain.parallel.tags import is_pipeline_shared, pipeline_tie
@@ -46,14 +46,14 @@ def check_pipeline_config(ctx: ParallelContext) -> tuple[int, int]:
 
 
 def prepare_pipeline(
-    model: nn.Module, optimizer: Optimizer | None, ctx: ParallelContext
+    model: nn.Module, optimizer: Optimizer | None, ctx: ParallelContext, adapter=None
 ) -> tuple[PipelineStage, Optimizer | None, PipelineSchedule]:
     """Keep this rank's stage of ``model``; returns (stage module, optimizer, schedule).
 
     Called by ``gt.initialize`` on every rank when ``parallel.pipeline > 1``,
     before amp wrapping and gradient handlers. The schedule is
     ``InterleavedPipelineSchedule`` when ``parallel.pipeline.num_chunks > 1``, else
-    ``PipelineSchedule`` (1F1B).
+    ``PipelineSchedule`` (1F1B). ``adapter``: the model library's (its pipeline layers).
     """
     m, chunks = check_pipeline_config(ctx)
     cfg = ctx.config.parallel.pipeline
@@ -67,6 +67,7 @@ def prepare_pipeline(
         cfg.partition,
         ctx.device,
         ctx,
+        adapter,
     )
     if on_meta:
         _sync_tied_from_first_stage(stage, ctx)

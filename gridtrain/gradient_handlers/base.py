@@ -5,10 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.sync.base import GradSync
 
 
-class GradientHandler:
-    """Built by the engine from ``gradient_handler = [dict(type=Name, **kwargs)]``."""
+class GradientHandler(GradSync):
+    """Built by the engine from ``gradient_handler = [dict(type=Name, **kwargs)]``.
+
+    A gradient sync (``parallel.sync.GradSync``) that acts once the window's backwards are
+    done: ``finish()`` is ``handle_gradient()``.
+    """
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, **kwargs):
         self.model = model
@@ -17,3 +22,6 @@ class GradientHandler:
     def handle_gradient(self) -> None:
         """Synchronise ``.grad`` of the model's parameters across the handler's groups."""
         raise NotImplementedError
+
+    def finish(self) -> None:
+        self.handle_gradient()

@@ -5,20 +5,20 @@ from __future__ import annotations
 from torch import nn
 
 from gridtrain.gradient_handlers.base import GradientHandler
-from gridtrain.gradient_handlers.buckets import (
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.sync.buckets import (
     DEFAULT_BUCKET_MB,
     Bucket,
     all_reduce_buckets,
     build_buckets,
 )
-from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tags import get_dp_mode
 
 
 class DataParallelGradientHandler(GradientHandler):
     """Average each gradient over its data-parallel group once backward has finished.
 
-    The group is ``sharding.get_dp_mode(param)``: DATA, SEQUENCE_DP under
+    The group is ``tags.get_dp_mode(param)``: DATA, SEQUENCE_DP under
     sequence parallelism, EXPERT_DATA for experts. This is the legacy
     (non-overlapped) path; with no handler named the engine overlaps the same
     reduction with backward instead. kwargs: ``bucket_size_mb`` (default 25).

@@ -31,7 +31,7 @@ from gridtrain.parallel.tags import (  # noqa: F401 - get/set re-exported for ol
     set_dp_mode,
     set_shard_spec,
 )
-from gridtrain.parallel.zero.partition import get_zero_rows
+from gridtrain.parallel.zero.rows import get_zero_rows
 
 
 def _check(full: Tensor, dim: int, n: int, parts: int, mode: ParallelMode) -> None:
@@ -76,7 +76,7 @@ def shard_shape(dense_shape, spec, ctx: ParallelContext) -> tuple[int, ...]:
 
 def dense_shape(shard: Tensor, ctx: ParallelContext, spec: ShardSpec | None = None) -> tuple:
     """The dense shape of ``shard`` (its own spec unless ``spec`` is given). A tensor holding
-    only this rank's ZeRO rows (``zero.partition``) counts as its whole shard; a DTensor's
+    only this rank's ZeRO rows (``zero.rows``) counts as its whole shard; a DTensor's
     shape is that already."""
     shape = list(shard.shape)
     rows = get_zero_rows(shard)

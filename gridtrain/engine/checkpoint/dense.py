@@ -32,7 +32,7 @@ from gridtrain.parallel.dense_state import (
     merge_stages,
 )
 from gridtrain.parallel.sharding import dense_shape, get_shard_spec, shard_tensor
-from gridtrain.parallel.zero.partition import get_zero_rows
+from gridtrain.parallel.zero.rows import get_zero_rows
 
 FORMAT = 1
 

@@ -51,7 +51,7 @@ from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import dense_items, dense_shape, get_shard_spec
-from gridtrain.parallel.zero.partition import get_zero_rows, local
+from gridtrain.parallel.zero.rows import get_zero_rows, local
 
 logger = logging.getLogger("gridtrain")
 

@@ -1,17 +1,18 @@
 """ZeRO over each parameter's data-parallel group: ``zero = dict(stage=1 | 2 | 3, offload=...)``.
 
-* stage 1 (``partitioned``): each rank's optimizer steps only its rows of every
+* stage 1 (``stage12``): each rank's optimizer steps only its rows of every
   parameter (state and fp32 masters sharded); gradients reduce-scattered at the end
   of the window, every rank keeping its full gradients; rows all-gathered after the step.
-* stage 2 (``partitioned``): as 1, and each gradient is dropped once its bucket is
+* stage 2 (``stage12``): as 1, and each gradient is dropped once its bucket is
   reduce-scattered (during the last backward).
 * stage 3 (``fsdp``): FSDP2 ``fully_shard``, parameters sharded too.
 * stage 3 with ``offload=True`` (``offload``, Gemini): fp32 masters, gradients and Adam
   state in pinned host memory (1/n of the rows per rank), compute-dtype parameters on the
   device where they fit (``device_param_mb``) and streamed chunk by chunk where not.
 
-``partition`` says which rows a rank owns (the same at every stage, so checkpoints
-move between stages); ``memory`` measures what a rank holds.
+``rows`` says which rows a rank owns (the same at every stage, so checkpoints move
+between stages); ``memory`` measures what a rank holds. Each runtime is the engine's
+gradient sync (``parallel.sync.GradSync``).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from gridtrain.parallel.context import ParallelContext
 if TYPE_CHECKING:
     from gridtrain.parallel.zero.fsdp import FsdpZero
     from gridtrain.parallel.zero.offload import OffloadZero
-    from gridtrain.parallel.zero.partitioned import PartitionedZero
+    from gridtrain.parallel.zero.stage12 import Stage12Zero
 
 
 def build_zero(
     model: nn.Module, optimizer: Optimizer, ctx: ParallelContext
-) -> PartitionedZero | FsdpZero | OffloadZero | None:
+) -> Stage12Zero | FsdpZero | OffloadZero | None:
     """Apply the config's ``zero`` section to ``model`` and rebind ``optimizer`` (a torch
     optimizer, before mixed precision wraps it); None without one.
 
@@ -65,9 +66,9 @@ def build_zero(
         from gridtrain.parallel.zero.fsdp import FsdpZero
 
         return FsdpZero(model, optimizer, ctx, amp=amp)
-    from gridtrain.parallel.zero.partitioned import PartitionedZero
+    from gridtrain.parallel.zero.stage12 import Stage12Zero
 
-    return PartitionedZero(
+    return Stage12Zero(
         model,
         optimizer,
         ctx,

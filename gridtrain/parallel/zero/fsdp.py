@@ -38,11 +38,12 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from gridtrain.config_names import AMP_TYPE
-from gridtrain.engine.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.optimizer_rebind import rebind_optimizer
+from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.tags import copy_tags, default_dp_mode, get_dp_mode
-from gridtrain.parallel.zero.partition import chunk_rows, owned_range, set_zero_rows
+from gridtrain.parallel.zero.rows import chunk_rows, owned_range, set_zero_rows
 
 logger = logging.getLogger("gridtrain")
 
@@ -89,11 +90,15 @@ def units(model: nn.Module) -> list[nn.Module]:
     return chosen
 
 
-class FsdpZero:
-    """Stage 3 of one engine: ``fully_shard`` applied, the optimizer rebound to the DTensors."""
+class FsdpZero(GradSync):
+    """Stage 3 of one engine: ``fully_shard`` applied, the optimizer rebound to the DTensors.
+
+    As a ``GradSync``: FSDP2 reduce-scatters inside the window's last backward, so
+    ``finish()`` and ``after_step()`` have nothing left to do.
+    """
 
     stage = 3
-    grad_sync = None  # FSDP2 reduces inside backward
+    allows_device_skip = False  # the host decides a non-finite skip over DTensor parameters
 
     def __init__(
         self,
@@ -175,8 +180,8 @@ class FsdpZero:
             m.set_is_last_backward(on)
 
     @contextlib.contextmanager
-    def sync(self, last: bool) -> Iterator[None]:
-        """Around a backward: only the window's last one reduce-scatters gradients."""
+    def around_backward(self, last: bool) -> Iterator[None]:
+        """Only the window's last backward reduce-scatters gradients."""
         if not last:
             yield
             return
@@ -186,17 +191,8 @@ class FsdpZero:
         finally:
             self._set_sync(False)
 
-    def finish_grad_sync(self) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
-
-    def masters_from_model(self) -> None:
-        pass
-
     def masters(self) -> list[tuple[Tensor, Tensor]]:
-        return []
+        return []  # the model's parameters are the masters
 
 
 def _expert_units(model: nn.Module, ctx: ParallelContext) -> list[nn.Module]:

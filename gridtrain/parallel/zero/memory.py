@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
-from gridtrain.parallel.zero.partition import local
+from gridtrain.parallel.zero.rows import local
 
 
 def _inner(optimizer):

@@ -2,7 +2,7 @@
 
 ZeRO-Offload's split (Ren et al., 2021) with Colossal-AI's chunks: what the step needs
 (fp32 masters, Adam moments, gradients) lives in pinned host memory, partitioned over the
-data-parallel group (each rank owns ``1/n`` of every parameter's rows, ``partition``);
+data-parallel group (each rank owns ``1/n`` of every parameter's rows, ``rows``);
 the device holds only compute-dtype parameters, and only where they fit.
 
 * **Chunks** (``offload_chunk``): one per unit (each block of a ``ModuleList`` or
@@ -45,9 +45,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from gridtrain.config import ConfigError
 from gridtrain.config_names import AMP_TYPE
-from gridtrain.engine.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.optimizer_rebind import rebind_optimizer
+from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.tags import get_dp_mode
 from gridtrain.parallel.zero.fsdp import units
 from gridtrain.parallel.zero.offload_chunk import Chunk
@@ -64,11 +65,15 @@ from gridtrain.parallel.zero.offload_streams import HostGrads, Streams
 logger = logging.getLogger("gridtrain")
 
 
-class OffloadZero:
-    """Gemini for one engine: the chunks, their hooks, the gradient stream and the upload."""
+class OffloadZero(GradSync):
+    """Gemini for one engine: the chunks, their hooks, the gradient stream and the upload.
+
+    As a ``GradSync``: gradients stream to the host during each backward, ``finish()``
+    waits for them, ``after_step()`` uploads the stepped masters.
+    """
 
     stage = 3
-    grad_sync = None  # gradients stream to the host during each backward
+    allows_device_skip = False  # the optimizer steps host masters
 
     def __init__(
         self,
@@ -276,15 +281,15 @@ class OffloadZero:
             self._finish_grads()
 
     @contextlib.contextmanager
-    def sync(self, last: bool) -> Iterator[None]:
-        """Around a backward: the window's last one leaves the gradients final on the host."""
+    def around_backward(self, last: bool) -> Iterator[None]:
+        """The window's last backward leaves the gradients final on the host."""
         self._last = last
         try:
             yield
         finally:
             self._last = False
 
-    def finish_grad_sync(self) -> None:
+    def finish(self) -> None:
         self._finish_grads()
         self._finished = False
 
@@ -350,9 +355,6 @@ class OffloadZero:
             self._fetch(chunk)
         chunk.synced_version = chunk.masters._version
         chunk.pending = False
-
-    def masters_from_model(self) -> None:
-        pass  # the model's parameters are the masters
 
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         return []  # the model's parameters are the masters

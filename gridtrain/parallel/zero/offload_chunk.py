@@ -4,14 +4,14 @@
   parameters' own dtype otherwise): one flat buffer whose views are the tensors the model
   computes with. A resident chunk keeps it; a streamed one fills it before each use and
   frees its storage after (``fetch``/``release``), FSDP2's trick, so the views stay valid.
-* On the host, this rank's **row segment** (``partition``): for each parameter the rows it
+* On the host, this rank's **row segment** (``rows``): for each parameter the rows it
   owns, padded to ``ceil(rows / n)``, parameter after parameter. The fp32 masters (the
   model's parameters at rest, ZeroRows-tagged) and their gradients are views of two pinned
   segments; a streamed chunk whose compute dtype differs also keeps a compute-dtype copy of
   its segment (``home``) to fetch from.
 
 The row segment is what a reduce-scatter of the n-fold rank-major gradient buffer yields
-(``partitioned.RowShard`` lays it out), and an all-gather of the n segments is the buffer
+(``row_buckets.RowShard`` lays it out), and an all-gather of the n segments is the buffer
 the device copy is unpacked from; with one data rank both layouts coincide.
 """
 
@@ -25,13 +25,13 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import copy_tags
 from gridtrain.parallel.zero.offload_plan import ChunkShape
 from gridtrain.parallel.zero.offload_streams import Streams, host_buffer
-from gridtrain.parallel.zero.partition import (
+from gridtrain.parallel.zero.row_buckets import RowShard, chunks_to_rows, rows_to_chunks
+from gridtrain.parallel.zero.rows import (
     all_gather_single,
     as_rows,
     reduce_scatter_single,
     set_zero_rows,
 )
-from gridtrain.parallel.zero.partitioned import RowShard, chunks_to_rows, rows_to_chunks
 
 Ref = tuple[nn.Module, str]  # a module and the attribute name it registers a parameter under
 

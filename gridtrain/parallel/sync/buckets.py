@@ -1,15 +1,16 @@
-"""Gradient buckets: flatten the gradients of parameters that share a data-parallel group.
+"""Gradient buckets: the gradients of parameters that share a data-parallel group, flattened.
 
-Shared by ``DataParallelGradientHandler`` (all-reduce after backward) and the
-engine's overlapped path (all-reduce launched from gradient hooks during
-backward). A bucket holds parameters of one group, dtype and device, in reverse
-registration order (roughly the order backward produces their gradients), up
-to a byte cap, like torch DDP's buckets.
+One builder (``group_buckets``) serves every bucketed path: the all-reduce buckets here
+(the data-parallel handlers after backward, the overlapped path during it) and ZeRO 1-2's
+reduce-scatter buckets (``zero/row_buckets.py``). Members are taken in reverse
+registration order (roughly the order backward produces their gradients) and grouped by a
+key (group, dtype, device, ...) up to a byte cap, like torch DDP's buckets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -19,6 +20,41 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 
 DEFAULT_BUCKET_MB = 25.0
+T = TypeVar("T")
+
+
+def group_buckets(
+    members: Iterable[T],
+    key: Callable[[T], Hashable],
+    nbytes: Callable[[T], int],
+    bucket_size_mb: float,
+) -> list[tuple[Hashable, list[T]]]:
+    """``(key, members)`` per bucket: ``members`` in reverse order, grouped by ``key`` until
+    a group reaches ``bucket_size_mb``; full buckets in the order they filled, then the
+    partial ones in the order their keys first appeared.
+
+    The order depends only on the order of ``members``, so every rank of a group that
+    lists the model's parameters alike builds the same buckets and issues their
+    collectives in the same order.
+    """
+    cap = bucket_size_mb * 2**20
+    open_: dict[Hashable, tuple[list[T], int]] = {}
+    out: list[tuple[Hashable, list[T]]] = []
+    for m in reversed(list(members)):
+        k = key(m)
+        group, size = open_.get(k, ([], 0))
+        group.append(m)
+        size += nbytes(m)
+        if size >= cap:
+            out.append((k, group))
+            group, size = [], 0
+        open_[k] = (group, size)
+    out.extend((k, group) for k, (group, _) in open_.items() if group)
+    return out
+
+
+def param_bytes(p: Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
 class Bucket:
@@ -69,34 +105,16 @@ def build_buckets(
     mode_of: Callable[[Tensor], ParallelMode],
     bucket_size_mb: float = DEFAULT_BUCKET_MB,
 ) -> list[Bucket]:
-    """Buckets for the trainable ``params`` whose group (``mode_of(p)``) has more than one rank.
-
-    The order depends only on the model's parameter order, so every rank of a
-    group builds the same buckets and issues their collectives in the same order.
-    """
+    """All-reduce buckets for the trainable ``params`` whose group (``mode_of(p)``) has more
+    than one rank."""
     if bucket_size_mb <= 0:
         raise ValueError(f"gradient handler kwarg bucket_size_mb must be > 0, got {bucket_size_mb}")
-    cap = bucket_size_mb * 2**20
-    seen: set[int] = set()
-    open_: dict[tuple, tuple[list[Tensor], int]] = {}
-    buckets: list[Bucket] = []
-    for p in reversed(list(params)):
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        mode = mode_of(p)
-        if ctx.world_size(mode) == 1:
-            continue
-        key = (mode, p.dtype, p.device)
-        members, size = open_.get(key, ([], 0))
-        members.append(p)
-        size += p.numel() * p.element_size()
-        if size >= cap:
-            buckets.append(Bucket(mode, members, ctx))
-            members, size = [], 0
-        open_[key] = (members, size)
-    buckets.extend(Bucket(k[0], m, ctx) for k, (m, _) in open_.items() if m)
-    return buckets
+    # a parameter listed twice counts once, where backward reaches it first
+    last_use = {id(p): p for p in reversed(list(params)) if p.requires_grad}
+    synced = [p for p in reversed(last_use.values()) if ctx.world_size(mode_of(p)) > 1]
+    key = lambda p: (mode_of(p), p.dtype, p.device)  # noqa: E731
+    grouped = group_buckets(synced, key, param_bytes, bucket_size_mb)
+    return [Bucket(k[0], members, ctx) for k, members in grouped]
 
 
 def all_reduce_buckets(buckets: list[Bucket]) -> None:

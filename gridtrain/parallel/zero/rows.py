@@ -29,8 +29,8 @@ _ZERO_ROWS = "_gt_zero_rows"
 _ZERO_OWNER = "_gt_zero_owner"
 
 # comm.py has no asynchronous reduce-scatter / all-gather into one flat tensor (what the
-# buckets of stages 1-2 overlap with backward); these are torch's, under both their names
-# (torch >= 2.12 renamed them, the GPU box may run an older release)
+# buckets of stages 1-2 overlap with backward); these are torch's, under whichever of its
+# two names this torch has
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -7,11 +7,11 @@ optimizer step) waits for them. Buckets launch strictly in bucket order, so
 every rank of a group issues the same collectives in the same order even when
 a parameter gets no gradient on some rank.
 
-Hooks only launch inside ``overlap()``, which the engine enters around the last
-backward of an accumulation window (and a pipeline schedule around its last
-micro-batch's backward); any bucket not launched by then is reduced in
-``finish()``. So accumulation, pipeline micro-batches and fp16 loss scaling all
-stay correct whether or not the overlap happens.
+Hooks only launch inside ``around_backward(last=True)``, which the engine enters around
+the last backward of an accumulation window (and a pipeline schedule around its last
+micro-batch's backward); any bucket not launched by then is reduced in ``finish()``. So
+accumulation, pipeline micro-batches and fp16 loss scaling all stay correct whether or
+not the overlap happens.
 
 ZeRO stages 1-2 drive the same path with their own buckets (``buckets=``: any objects
 with ``params``, ``launch(async_op)`` and ``finish()``; theirs reduce-scatter). A bucket
@@ -26,12 +26,13 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
-from gridtrain.gradient_handlers.buckets import DEFAULT_BUCKET_MB, build_buckets
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.sync.base import GradSync
+from gridtrain.parallel.sync.buckets import DEFAULT_BUCKET_MB, build_buckets
 from gridtrain.parallel.tags import get_dp_mode
 
 
-class OverlappedDataParallel:
+class OverlappedDataParallel(GradSync):
     """Averages each gradient over ``get_dp_mode(param)``, overlapping backward."""
 
     def __init__(
@@ -72,6 +73,10 @@ class OverlappedDataParallel:
             yield
         finally:
             self._active = False
+
+    def around_backward(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """The window's last backward overlaps the all-reduce; earlier ones accumulate."""
+        return self.overlap() if last else contextlib.nullcontext()
 
     def _on_grad(self, param: Tensor) -> None:
         if not self._active:
