@@ -46,7 +46,7 @@ from gridtrain.estimate.scenario import Scenario, StageLayers
 from gridtrain.estimate.shards import TensorShards
 from gridtrain.parallel.mode import ParallelMode as PM
 
-BUCKET_BYTES = 25 * 2**20  # gradient_handlers/buckets.py DEFAULT_BUCKET_MB
+BUCKET_BYTES = 25 * 2**20  # parallel/sync/buckets.py DEFAULT_BUCKET_MB
 FIRST_LAST = "PIPELINE (first, last)"
 __all__ = ["BUCKET_BYTES", "FIRST_LAST", "Collective", "by_op", "microbatch_collectives",
            "step_collectives", "step_only_collectives"]  # fmt: skip

@@ -86,7 +86,7 @@ class ModelStates:
 
 def owned(shape: tuple[int, ...], n: int) -> int:
     """Elements of a tensor the first rank of ``n`` owns under ZeRO: its ``ceil(rows / n)``
-    rows (``parallel/zero/partition.py``, as torch.chunk and FSDP2 cut; ranks past the last
+    rows (``parallel/zero/rows.py``, as torch.chunk and FSDP2 cut; ranks past the last
     chunk own fewer, so the first rank is the fullest)."""
     rows = shape[0] if shape else 1
     return -(-rows // n) * (math.prod(shape) // rows if rows else 0)

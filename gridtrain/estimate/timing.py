@@ -15,7 +15,7 @@ backward twice that, full recompute one forward more) over the rank's
 and read once and its gradient written and read once (``4 x`` the inventory)
 over HBM bandwidth. Tensor-parallel collectives and point-to-point transfers sit
 on the critical path; the bucketed data-parallel all-reduce overlaps the last
-backward (``engine/data_parallel.py``), so only what exceeds it shows. The
+backward (``parallel/sync/data_parallel.py``), so only what exceeds it shows. The
 pipeline runs ``m + (P - 1) / v`` micro-batch slots per flush (1F1B and
 interleaved, Narayanan et al. 2021), once per accumulation step. The optimizer
 step is memory-bound: weights, gradients and states read and written once.
