@@ -40,6 +40,7 @@ class LayerCosts:
     def __init__(self, params: list[dict[int, int]], compute: list[int]):
         self.params, self.compute = params, compute
         self._prefix = list(itertools.accumulate((sum(p.values()) for p in params), initial=0))
+        self._compute = list(itertools.accumulate(compute, initial=0))
         where: dict[int, list[int]] = {}
         for i, layer in enumerate(params):
             for pid in layer:
@@ -57,7 +58,8 @@ class LayerCosts:
         return total
 
     def span_compute(self, start: int, end: int) -> int:
-        return sum(self.compute[start:end])
+        """Estimated compute of layers ``[start, end)``."""
+        return self._compute[end] - self._compute[start]
 
 
 def layer_costs(
