@@ -1,10 +1,10 @@
 """gridtrain: a config-driven engine for data, tensor, pipeline, sequence and expert parallelism."""
 
 from gridtrain import data, nn
+from gridtrain.adapters import initialize
 from gridtrain.config import Config, ConfigError
 from gridtrain.engine import (
     Engine,
-    initialize,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,

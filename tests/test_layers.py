@@ -1,6 +1,6 @@
 """Every sharded layer of every tensor mode equals its dense twin: output, input gradient and
-each rank's weight-gradient shard. Layers are built from dense modules through the same table
-the engine uses (``tensor.layers.layer_for``), so these are the layers a plan produces."""
+each rank's weight-gradient shard. Layers are built from dense modules through the same spec
+the engine uses (the mode's ``TensorMode.layer_for``), so these are the layers a plan produces."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from helpers.parity import layer_parity, randn
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from gridtrain.parallel.tensor import dense
-from gridtrain.parallel.tensor.layers import layer_for
+import gridtrain as gt
 from gridtrain.parallel.tensor.plan import EMBEDDING, LINEAR, NORM, PATCH
+from gridtrain.parallel.tensor.registry import spec_of
 
 B, S, H, V = 8, 3, 16, 32  # batch divisible by 4 (2d, 2.5d depth 2, 3d d^2), hidden by d^3 = 8
 
@@ -61,7 +61,7 @@ CASES = {
          lambda: nn.Embedding(V, H, padding_idx=1), ids, "rep", "rep"),
         ("Embedding embedding_rowwise", EMBEDDING, "embedding_rowwise", {},
          lambda: nn.Embedding(V, H, padding_idx=3), ids, "rep", "rep"),
-        ("PatchEmbedding", PATCH, "colwise", {}, lambda: dense.PatchEmbedding(8, 4, 3, H),
+        ("PatchEmbedding", PATCH, "colwise", {}, lambda: gt.nn.PatchEmbedding(8, 4, 3, H),
          images, "rep", "rep"),
     ],
     "grid": [
@@ -80,13 +80,13 @@ CASES = {
          lambda: nn.Embedding(V, H, padding_idx=1), ids, "rows", "act"),
         ("VocabParallelEmbedding", EMBEDDING, "embedding_rowwise", {},
          lambda: nn.Embedding(V, H, padding_idx=1), ids, "rows", "act"),
-        ("Classifier", LINEAR, "gather_output", {}, lambda: dense.Classifier(H, 5),
+        ("Classifier", LINEAR, "gather_output", {}, lambda: gt.nn.Classifier(H, 5),
          act, "act", "rows"),
         ("Classifier (Conv1D head)", LINEAR, "gather_output", {}, lambda: Conv1D(5, H),
          act, "act", "rows"),
         ("VocabParallelClassifier", LINEAR, "vocab_parallel", {}, lambda: nn.Linear(H, V),
          act, "act", "vocab"),
-        ("PatchEmbedding", PATCH, "colwise", {}, lambda: dense.PatchEmbedding(8, 4, 3, H),
+        ("PatchEmbedding", PATCH, "colwise", {}, lambda: gt.nn.PatchEmbedding(8, 4, 3, H),
          images, "rows", "act"),
     ],
 }  # fmt: skip
@@ -108,7 +108,7 @@ CASES["3d"] = [_at_orientation_0(c) for c in CASES["grid"]] + [
     ("Embedding to orientation 1", EMBEDDING, "embedding_colwise", {"orientation": 1},
      lambda: nn.Embedding(V, H), ids, "rows", "act1"),
     ("Classifier from orientation 1", LINEAR, "gather_output", {"orientation": 1},
-     lambda: dense.Classifier(H, 5), act, "act1", "rows"),
+     lambda: gt.nn.Classifier(H, 5), act, "act1", "rows"),
 ]  # fmt: skip
 
 LAYOUTS = {
@@ -123,7 +123,7 @@ LAYOUTS = {
 def _run(ctx, table: str):
     out = {}
     for k, (name, kind, style, opts, make, x, xl, yl) in enumerate(CASES[table]):
-        factory, options = layer_for(ctx, name, kind, style, opts)
+        factory, options = spec_of(ctx).layer_for(name, kind, style, opts)
 
         def build(dense_layer, c, factory=factory, options=options):
             return factory(dense_layer, c, **options)

@@ -42,7 +42,7 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sync import GradSync, GradSyncs
 from gridtrain.parallel.tags import default_dp_mode
-from gridtrain.parallel.tensor.modes import split_batch
+from gridtrain.parallel.tensor.registry import split_batch
 from gridtrain.parallel.tensor.sequence import mark_sequence_sharded
 
 logger = logging.getLogger("gridtrain")

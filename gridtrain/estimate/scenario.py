@@ -18,8 +18,8 @@ from gridtrain.config import Config, ConfigError
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.shards import TensorShards, tensor_shards
 from gridtrain.parallel.pipeline.partition import partition
-from gridtrain.parallel.tensor.local_shapes import head_split
 from gridtrain.parallel.tensor.plan import PlanError
+from gridtrain.parallel.tensor.registry import mode_spec
 
 
 class EstimateError(ValueError):
@@ -176,7 +176,7 @@ class Scenario:
             raise EstimateError(f"attention must be 'flash' or 'math', got {self.attention!r}")
         if self.recompute not in ("none", "full"):
             raise EstimateError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
-        heads_split, what = head_split(mode, t, self.depth)
+        heads_split, what = mode_spec(mode).head_split(t, self.depth)
         for name, n in (("heads", spec.heads), ("key/value heads", spec.num_kv_heads)):
             if n % heads_split:
                 raise EstimateError(

@@ -7,7 +7,7 @@ A model written with plain ``torch.nn`` layers is sharded just the same, by
 the traced plan (see ``gridtrain.parallel.tensor.plan``).
 """
 
-from gridtrain.nn.functional import accuracy, attention, position_ids, shared_input
+from gridtrain.nn.functional import accuracy, attention, position_ids
 from gridtrain.nn.layers import (
     Classifier,
     CrossEntropyLoss,
@@ -35,5 +35,4 @@ __all__ = [
     "accuracy",
     "attention",
     "position_ids",
-    "shared_input",
 ]

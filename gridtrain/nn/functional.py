@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import torch
 
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.tensor.modes import mode_module
+from gridtrain.parallel.tensor.registry import spec_of
 from gridtrain.parallel.tensor.sequence import position_ids as _sequence_positions
 from gridtrain.parallel.tensor.sequence import ring_attention
 
 
 def accuracy(logits, labels, ctx: ParallelContext | None = None):
     """(correct, total) over this data-parallel rank's batch, reduced as the mode needs."""
-    return mode_module(ctx).accuracy(logits, labels, ctx)
+    return spec_of(ctx).accuracy(logits, labels, ctx)
 
 
 def position_ids(seq_len: int, device=None, ctx: ParallelContext | None = None) -> torch.Tensor:
@@ -31,14 +28,3 @@ def attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale
     variant); ``scaled_dot_product_attention`` on the local heads in every other mode.
     """
     return ring_attention(q, k, v, causal, key_padding_mask, dropout_p, scale, ctx=ctx)
-
-
-@contextlib.contextmanager
-def shared_input(ctx: ParallelContext | None = None):
-    """Deprecated no-op: the planner reads which Linears share an input off the data flow."""
-    warnings.warn(
-        "gt.nn.shared_input() is no longer needed: the plan follows the data flow",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    yield

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 from torch import Tensor, nn
 
 from gridtrain.parallel.context import ParallelContext, has_context
-from gridtrain.parallel.tensor import dense
-from gridtrain.parallel.tensor.modes import mode_module
+from gridtrain.parallel.tensor import none
+from gridtrain.parallel.tensor.plan import KIND_STYLES, LINEAR
+from gridtrain.parallel.tensor.registry import spec_of
 
 _SPLITS = {
     ("column", False): "colwise",
@@ -16,15 +15,6 @@ _SPLITS = {
     ("row", True): "rowwise",
     ("row", False): "rowwise_split_input",
 }
-
-
-def _ignored_ctx(ctx) -> None:
-    if ctx is not None:
-        warnings.warn(
-            "gt.nn layers no longer take ctx=: gt.initialize shards them with the context's mode",
-            DeprecationWarning,
-            stacklevel=3,
-        )
 
 
 class Linear(nn.Linear):
@@ -44,10 +34,8 @@ class Linear(nn.Linear):
         gather_output: bool | None = None,
         parallel_input: bool | None = None,
         packed: int | None = None,
-        ctx: ParallelContext | None = None,
     ):
         super().__init__(in_features, out_features, bias, device, dtype)
-        _ignored_ctx(ctx)
         style = _linear_style(split, gather_output, parallel_input, packed)
         if style is not None:
             self.gt_style = style
@@ -79,8 +67,6 @@ def _linear_style(split, gather_output, parallel_input, packed) -> str | None:
             raise ValueError("gt.nn.Linear: gather_output applies to split='column' only")
         flag = bool(gather_output) if split == "column" else parallel_input is not False
         return _SPLITS[(split, flag)]
-    from gridtrain.parallel.tensor.plan import KIND_STYLES, LINEAR
-
     if split not in KIND_STYLES[LINEAR]:
         raise ValueError(
             f"gt.nn.Linear: split must be 'column', 'row' or a Linear style "
@@ -94,27 +80,15 @@ class Embedding(nn.Embedding):
 
     gt_style = "embedding_colwise"
 
-    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        _ignored_ctx(ctx)
-
 
 class VocabParallelEmbedding(nn.Embedding):
     """``nn.Embedding`` whose vocabulary is split (``embedding_rowwise``)."""
 
     gt_style = "embedding_rowwise"
 
-    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        _ignored_ctx(ctx)
-
 
 class LayerNorm(nn.LayerNorm):
     """``nn.LayerNorm`` (replicated under 1d, split over the grid under 2d/2.5d/3d)."""
-
-    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        _ignored_ctx(ctx)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -124,33 +98,21 @@ class RMSNorm(nn.RMSNorm):
 class Dropout(nn.Dropout):
     """``nn.Dropout``; draws each mask from the random stream its activations' layout needs."""
 
-    def __init__(self, p: float = 0.5, inplace: bool = False, *, ctx=None, sharded=None):
-        super().__init__(p, inplace)
-        _ignored_ctx(ctx)
 
-
-class Classifier(dense.Classifier):
+class Classifier(none.Classifier):
     """A head whose logits every rank sees whole (``gather_output``); ``weight=`` ties it."""
 
     gt_style = "gather_output"
 
-    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        _ignored_ctx(ctx)
 
-
-class VocabParallelClassifier(dense.Classifier):
+class VocabParallelClassifier(none.Classifier):
     """A head whose logits stay split over the classes (``vocab_parallel``); pair with
     ``gt.nn.CrossEntropyLoss``, which never gathers them."""
 
     gt_style = "vocab_parallel"
 
-    def __init__(self, *args, ctx: ParallelContext | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        _ignored_ctx(ctx)
 
-
-class PatchEmbedding(dense.PatchEmbedding):
+class PatchEmbedding(none.PatchEmbedding):
     """ViT stem: conv patches, class token, position embeddings (split like the hidden dim)."""
 
 
@@ -189,7 +151,7 @@ class CrossEntropyLoss(nn.Module):
             ctx = get_context()
         key = id(ctx)
         if key not in self._impls:
-            cls = mode_module(ctx).CrossEntropyLoss
+            cls = spec_of(ctx).loss
             self._impls[key] = cls(
                 self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                 vocab_parallel=self.vocab_parallel, ctx=ctx,

@@ -2,77 +2,20 @@
 
 ``global_rank = ((d * P) + p) * T + t``: data outermost, tensor innermost, so a
 tensor group is a run of adjacent ranks. The tensor block of each (d, p) is then
-reshaped per mode (see ``ParallelMode`` for the coordinates of each mode).
+reshaped by the tensor mode's spec (``parallel/tensor/spec.py``: each mode package says
+how its groups cut one block; ``ParallelMode`` names them).
 ``Layout`` picks one rank's groups from these lists (``ParallelContext`` creates
 process groups from them) and ``gridtrain topo`` prints them.
 """
 
 from __future__ import annotations
 
-import math
 from itertools import product
 
 from gridtrain.config import Config
 from gridtrain.parallel.mode import ParallelMode as PM
 
 Groups = dict[PM, list[tuple[int, ...]]]
-
-
-def tensor_block_groups(mode: str | None, size: int, depth: int = 1) -> dict[PM, list[list[int]]]:
-    """Groups of tensor ranks 0..size-1 inside one tensor block, per mode-specific axis."""
-    t = list(range(size))
-    if mode == "1d":
-        return {PM.PARALLEL_1D: [t]}
-    if mode == "sequence":
-        return {PM.SEQUENCE: [t]}
-    if mode == "2d":
-        q = math.isqrt(size)
-        return {
-            PM.PARALLEL_2D_ROW: [[r * q + c for c in range(q)] for r in range(q)],
-            PM.PARALLEL_2D_COL: [[r * q + c for r in range(q)] for c in range(q)],
-        }
-    if mode == "2.5d":
-        q = math.isqrt(size // depth)
-
-        def at(k: int, r: int, c: int) -> int:
-            return k * q * q + r * q + c
-
-        return {
-            PM.PARALLEL_2P5D_ROW: [
-                [at(k, r, c) for c in range(q)] for k, r in product(range(depth), range(q))
-            ],
-            PM.PARALLEL_2P5D_COL: [
-                [at(k, r, c) for r in range(q)] for k, c in product(range(depth), range(q))
-            ],
-            PM.PARALLEL_2P5D_DEP: [
-                [at(k, r, c) for k in range(depth)] for r, c in product(range(q), range(q))
-            ],
-            PM.PARALLEL_2P5D_XZ: [
-                [at(k, r, c) for k, c in product(range(depth), range(q))] for r in range(q)
-            ],
-        }
-    if mode == "3d":
-        d = round(size ** (1 / 3))
-
-        def at3(i: int, j: int, k: int) -> int:
-            return k * d * d + j * d + i
-
-        rng = range(d)
-        return {
-            PM.PARALLEL_3D_INPUT: [[at3(i, j, k) for i in rng] for k, j in product(rng, rng)],
-            PM.PARALLEL_3D_WEIGHT: [[at3(i, j, k) for j in rng] for k, i in product(rng, rng)],
-            PM.PARALLEL_3D_OUTPUT: [[at3(i, j, k) for k in rng] for j, i in product(rng, rng)],
-            PM.PARALLEL_3D_INPUT_X_WEIGHT: [
-                [at3(i, j, k) for j, i in product(rng, rng)] for k in rng
-            ],
-            PM.PARALLEL_3D_OUTPUT_X_WEIGHT: [
-                [at3(i, j, k) for k, j in product(rng, rng)] for i in rng
-            ],
-            PM.PARALLEL_3D_INPUT_X_OUTPUT: [
-                [at3(i, j, k) for k, i in product(rng, rng)] for j in rng
-            ],
-        }
-    return {}
 
 
 def build_groups(config: Config, world_size: int) -> Groups:
@@ -101,8 +44,11 @@ def build_groups(config: Config, world_size: int) -> Groups:
             for p, t, e in product(pr, tr, range(E))
         ],
     }
+    # imported here: the modes' layers import the context, which is built on this module
+    from gridtrain.parallel.tensor.registry import mode_spec
+
     mode = config.tensor_mode
-    for pmode, blocks in tensor_block_groups(mode, T, config.parallel.tensor.depth).items():
+    for pmode, blocks in mode_spec(mode).groups(T, config.parallel.tensor.depth).items():
         groups[pmode] = [
             tuple(rank(d, p, t) for t in block) for d, p in product(dr, pr) for block in blocks
         ]

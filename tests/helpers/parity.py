@@ -36,7 +36,7 @@ from gridtrain.parallel.sharding import full_tensor, shard_tensor
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.mode_2d import SummaGrid
 from gridtrain.parallel.tensor.mode_3d.cube import INPUT, OUTPUT, WEIGHT
-from gridtrain.parallel.tensor.modes import split_batch
+from gridtrain.parallel.tensor.registry import split_batch
 from helpers.runs import data_rows, engine_step
 
 PM = gt.ParallelMode

@@ -4,8 +4,8 @@ Where they come from, first match wins:
 
 * ``model.pipeline_layers()``: modules, or ``(name, module)`` pairs, listed by the model;
 * an ``nn.Sequential``: its children;
-* a library's model adapter (``gridtrain.hf`` cuts a Hugging Face model along its
-  ``_pp_plan``);
+* the model library's adapter, handed in by ``gt.initialize`` (``gridtrain.hf`` cuts a
+  Hugging Face model along its ``_pp_plan``);
 * any other model whose ``forward`` only chains its layers, such as
   ``self.head(self.norm(self.blocks(self.emb(ids))))`` or a loop over an
   ``nn.ModuleList`` of blocks. ``torch.fx`` traces the forward symbolically (no input
@@ -23,19 +23,21 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from gridtrain.parallel.tensor.plan import model_adapter
+from gridtrain.parallel.tensor.plan import ModelAdapter
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def layer_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def layer_list(
+    model: nn.Module, adapter: ModelAdapter | None = None
+) -> list[tuple[str, nn.Module]]:
     """The model's layers in execution order, each with its dotted path inside ``model``."""
     if hasattr(model, "pipeline_layers"):
         items = list(model.pipeline_layers())
     elif isinstance(model, nn.Sequential):
         items = list(model.named_children())
-    elif model_adapter(model) is not None:
-        items = list(model_adapter(model).pipeline_layers(model))
+    elif adapter is not None:
+        items = list(adapter.pipeline_layers(model))
     else:
         items = chained_layers(model)
     path_of = {id(m): name for name, m in model.named_modules() if name}

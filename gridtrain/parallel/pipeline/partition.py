@@ -114,16 +114,18 @@ def build_stage(
     method: str = "balanced",
     device: torch.device | None = None,
     ctx: Any = None,
+    adapter: Any = None,
 ) -> tuple[PipelineStage, dict[int, nn.Parameter]]:
     """Cut ``model`` and keep ``stage``'s layers; returns the stage and old->new param map.
 
     ``method``: one of ``METHODS`` (``balance.py``). With ``ctx``, a tensor-parallel
     shard counts as its dense tensor, so every rank of a stage makes the same cut and
-    the stage table shows the model's numbers. Weights shared between stages are tagged
+    the stage table shows the model's numbers; ``adapter`` (``layers.layer_list``) lists a
+    library model's layers. Weights shared between stages are tagged
     ``tags.mark_pipeline_shared`` on both copies (only ties between the first and the
     last stage are allowed: ``PipelineSharedModuleGradientHandler`` sums their gradients).
     """
-    layers = layer_list(model)
+    layers = layer_list(model, adapter)
     numel = (lambda p: math.prod(dense_shape(p, ctx))) if ctx is not None else torch.numel
     costs = layer_costs([m for _, m in layers], numel)
     bounds = partition(costs, pipeline_size * num_chunks, method)

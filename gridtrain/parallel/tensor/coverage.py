@@ -61,7 +61,9 @@ def better_layout(model: nn.Module, sentence: bool = False) -> str:
 def coverage_notice(plan: Plan, model: nn.Module) -> str | None:
     """One line when ``plan`` shards less than half of ``model``'s parameters under a mode
     that splits weights (1d, 2d, 2.5d, 3d); None otherwise."""
-    if plan.mode in (None, "sequence") or not plan.params:
+    from gridtrain.parallel.tensor.registry import mode_spec  # the modes' specs use this file
+
+    if not mode_spec(plan.mode).splits_weights or not plan.params:
         return None
     if plan.sharded_fraction >= LOW_COVERAGE:
         return None

@@ -48,3 +48,13 @@ class ParallelDropout(nn.Module):
     def extra_repr(self) -> str:
         stream = self.rng_mode.name if self.rng_mode else "replicated"
         return f"p={self.p}, inplace={self.inplace}, mask stream={stream}"
+
+
+def dropout_factory(rng_mode: ParallelMode | None, vocab_mode: ParallelMode | None = None):
+    """A layer-table factory: ``ParallelDropout`` drawing from ``rng_mode``'s stream, or from
+    the shared one where the plan says its input is not split (``sharded=False``)."""
+
+    def build(dense: nn.Dropout, ctx, sharded: bool = True, **_) -> ParallelDropout:
+        return ParallelDropout(dense, ctx, rng_mode if sharded else None, vocab_mode)
+
+    return build

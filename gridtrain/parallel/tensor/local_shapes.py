@@ -18,7 +18,6 @@ equal the dense trace's (``Flow.attention``). A failing or differing forward get
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,16 +27,9 @@ from torch.utils._pytree import tree_map
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.base import linear_dims
-from gridtrain.parallel.tensor.modes import split_batch
-from gridtrain.parallel.tensor.plan import (
-    COL_SHARDED,
-    DROPOUT,
-    LINEAR,
-    NORM,
-    OPAQUE,
-    Plan,
-    PlanError,
-)
+from gridtrain.parallel.tensor.plan import DROPOUT, LINEAR, NORM, OPAQUE, Plan, PlanError
+from gridtrain.parallel.tensor.registry import mode_spec, split_batch
+from gridtrain.parallel.tensor.spec import TensorMode
 from gridtrain.parallel.tensor.trace import (
     AttentionCall,
     AttentionRecorder,
@@ -46,34 +38,10 @@ from gridtrain.parallel.tensor.trace import (
     run_on_meta,
 )
 
-GATHERED = ("gather_output", "colwise_gather_output")  # heads whose logits come out whole
 FIX = (
     "take shapes from the model's configuration, not from activations "
     "(head_dim = hidden // heads, then view(batch, seq, -1, head_dim): -1 is this rank's heads)"
 )
-
-
-def head_split(mode: str | None, size: int, depth: int = 1) -> tuple[int, str]:
-    """How many ways ``mode`` splits attention heads (an activation's hidden dim), and by
-    which group, in ``gridtrain estimate``'s words."""
-    if mode == "1d":
-        return size, f"PARALLEL_1D ({size} ranks)"
-    if mode in ("2d", "2.5d"):
-        q = math.isqrt(size // depth)
-        return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
-    if mode == "3d":
-        d = round(size ** (1 / 3))
-        return d, f"the cube's hidden axis (d = {d})"
-    return 1, "no group"
-
-
-def local_width(mode: str, kind: str, style: str, width: int, split: int) -> int:
-    """The last dim of a replaced layer's output on this rank, ``width`` being the dense one."""
-    if mode == "1d":  # only column-parallel outputs stay split
-        split_out = kind == LINEAR and style in (*COL_SHARDED, "vocab_parallel")
-    else:  # 2d / 2.5d / 3d block every activation's hidden dim, except gathered logits
-        split_out = not (kind == LINEAR and style in GATHERED)
-    return width // split if split_out else width
 
 
 def check_local_shapes(
@@ -81,15 +49,16 @@ def check_local_shapes(
 ) -> None:
     """Raise ``PlanError`` when ``model``'s forward fails, or reaches attention with another
     head size, on this rank's shapes under ``plan`` (module docstring)."""
-    if plan.mode not in ("1d", "2d", "2.5d", "3d"):
+    spec = mode_spec(plan.mode)
+    if spec.splits_output is None:
         return
-    split, what = head_split(plan.mode, plan.size, ctx.config.parallel.tensor.depth)
+    split, what = spec.head_split(plan.size, ctx.config.parallel.tensor.depth)
     local = _local_example(example, ctx)
     if local is None:  # a batch the mode cannot split: the engine will say so at the step
         return
     recorder = AttentionRecorder(model)
     try:
-        run_on_meta(model, local, _stand_ins(model, plan, split), (recorder,))
+        run_on_meta(model, local, _stand_ins(model, plan, spec, split), (recorder,))
     except Exception as err:  # noqa: BLE001 - the model's own error, explained
         raise _heads_error(flow.attention, split, what) or PlanError(
             f"tensor mode {plan.mode!r}: {type(model).__name__}'s forward fails on this rank's "
@@ -141,7 +110,7 @@ def _local_example(example: Any, ctx: ParallelContext) -> Any:
         return None
 
 
-def _stand_ins(model: nn.Module, plan: Plan, split: int) -> dict[str, Callable]:
+def _stand_ins(model: nn.Module, plan: Plan, spec: TensorMode, split: int) -> dict[str, Callable]:
     """Module path -> shape-only forward, for every layer the plan replaces (or keeps opaque)."""
     out: dict[str, Callable] = {}
     for name, entry in plan.entries.items():
@@ -149,7 +118,9 @@ def _stand_ins(model: nn.Module, plan: Plan, split: int) -> dict[str, Callable]:
             out[name] = first_input_shape
         elif entry.layer:  # a Linear, an embedding or a patch embedding
             module = model.get_submodule(name)
-            width = local_width(plan.mode, entry.kind, entry.style, _out_width(module), split)
+            width = _out_width(module)
+            if spec.splits_output(entry.kind, entry.style):
+                width //= split
             out[name] = _resized(module, entry.kind, width)
     return out
 

@@ -21,36 +21,27 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import ShardedModule, describe_spec, linear_dims
-from gridtrain.parallel.tensor.coverage import better_layout, count_sharded
+from gridtrain.parallel.tensor.coverage import count_sharded
 from gridtrain.parallel.tensor.entry_input import infer_example
-from gridtrain.parallel.tensor.layers import layer_for
 from gridtrain.parallel.tensor.local_shapes import check_local_shapes
 from gridtrain.parallel.tensor.plan import (
-    COL_SHARDED,
-    DROPOUT,
-    EMBEDDING,
+    KIND_STYLES,
     LINEAR,
-    NORM,
-    OPAQUE,
-    PATCH,
-    ROW,
     TRACE_HOW,
+    ModelAdapter,
     Plan,
     PlanEntry,
     PlanError,
-    _bad_sinks,
-    infer_1d,
     layout_of,
     match_patterns,
-    model_adapter,
-    orientations,
     tracked_modules,
 )
+from gridtrain.parallel.tensor.registry import mode_spec
+from gridtrain.parallel.tensor.spec import TensorMode
 from gridtrain.parallel.tensor.trace import Flow, trace_flow
 
 logger = logging.getLogger("gridtrain")
 
-GRID_MODES = ("2d", "2.5d", "3d")
 HINT_ATTR = "gt_style"  # gt.nn layers carry their hinted style here
 
 
@@ -69,47 +60,55 @@ def meta_twin(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def build_plan(model: nn.Module, ctx: ParallelContext, example: Any = None) -> Plan:
+def build_plan(
+    model: nn.Module, ctx: ParallelContext, example: Any = None, adapter: ModelAdapter | None = None
+) -> Plan:
     """The plan of ``model`` under ``ctx``'s layout (see ``plan.py``); raises ``PlanError``.
 
     ``example`` (one batch of the model's input) drives the meta trace; None builds one
-    from the model's entry layer (``entry_input.py``)."""
-    mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
-    plan = Plan(mode, n, layout=layout_of(ctx))
-    if mode is None:
+    from the model's entry layer (``entry_input.py``). ``adapter``: the model's library
+    adapter (``gridtrain.adapters.adapter_for``), which gives its plan and checks its heads.
+    """
+    spec, n = mode_spec(ctx.tensor_mode), ctx.world_size(ParallelMode.TENSOR)
+    plan = Plan(spec.name, n, layout=layout_of(ctx))
+    if spec.infer_styles is None:  # no tensor mode: nothing to plan
         count_sharded(plan, model)
         return plan
-    own_plan, adapter = model_plan(model), model_adapter(model)
+    own_plan = model_plan(model)
     if adapter is not None:  # e.g. Hugging Face: gridtrain's plan for GPT-2, head checks
         own_plan, example = adapter.plan_model(model, ctx, example)
     kinds = tracked_modules(model)
     modules = dict(model.named_modules())
     given = _given_styles(model, ctx, kinds, modules, own_plan)
-
-    flow = None
-    if mode != "sequence":  # a given plan is checked against the flow too
-        needs_flow = mode in GRID_MODES or any(kinds[m] == LINEAR and m not in given for m in kinds)
-        if example is None:
-            example = _entry_example(model, mode, needs_flow)
-        if example is not None:
-            flow = trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()})
-    styles, origin = _styles(mode, n, kinds, given, flow, modules)
+    flow, example = _trace(model, spec, kinds, given, example)
+    styles, origin = spec.infer_styles(kinds, given, flow, modules, n)
+    _add_entries(plan, spec, kinds, styles, origin, flow, modules)
+    _dry_run(plan, modules, ctx, spec)
+    _resolve_ties(plan, modules, ctx, spec)
     if flow is not None:
         plan.heads = {
-            m: (linear_dims(modules[m])[1], False)
+            m: (linear_dims(modules[m])[1], plan[m].style == "vocab_parallel")
             for m in flow.order
             if kinds.get(m) == LINEAR and m in flow.output_sources
         }
-    _add_entries(plan, kinds, styles, origin, flow, modules)
-    _dry_run(plan, modules, ctx)
-    _resolve_ties(plan, model, modules, ctx)
-    plan.heads = {m: (v, plan[m].style == "vocab_parallel") for m, (v, _) in plan.heads.items()}
-    if mode in GRID_MODES:
-        _check_all_params_planned(plan, model, mode)
+    if spec.check is not None:
+        spec.check(plan, model)
     count_sharded(plan, model)
     if flow is not None and adapter is None:  # an adapter checks its models' heads itself
         check_local_shapes(model, example, plan, flow, ctx)
     return plan
+
+
+def _trace(model, spec: TensorMode, kinds, given, example) -> tuple[Flow | None, Any]:
+    """The model's data flow (None where the mode never traces, or where nothing needs it
+    and no input can be built) and the example it was traced on."""
+    if spec.needs_flow is None:
+        return None, example
+    if example is None:  # a given plan is checked against the flow too
+        example = _entry_example(model, spec.name, spec.needs_flow(kinds, given))
+    if example is None:
+        return None, None
+    return trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()}), example
 
 
 def _entry_example(model: nn.Module, mode: str, needed: bool) -> Any:
@@ -145,36 +144,15 @@ def _given_styles(model, ctx, kinds, modules, own_plan) -> dict[str, tuple[str, 
     return given
 
 
-def _styles(mode, n, kinds, given, flow, modules) -> tuple[dict[str, str], dict[str, str]]:
-    """Every tracked layer's style and where it came from, under ``mode``."""
-    names = list(kinds)
-    if mode == "1d":
-        fixed = {m: s for m, (s, _) in given.items()}
-        inferred = infer_1d(kinds, fixed, flow, modules, n)
-        origin = {m: given[m][1] if m in given else inferred[m][1] for m in names}
-        styles = {m: s for m, (s, _) in inferred.items()}
-        if flow is not None:
-            _check_1d_flow(styles, kinds, flow)
-        return styles, origin
-    if mode in GRID_MODES:
-        return _grid_styles(kinds, given, flow)
-    # sequence: weights replicated, only dropout masks differ per rank
-    return {m: "replicate" for m in names}, {m: "sequence: replicated" for m in names}
-
-
-def _add_entries(plan: Plan, kinds, styles, origin, flow, modules) -> None:
+def _add_entries(plan: Plan, spec: TensorMode, kinds, styles, origin, flow, modules) -> None:
     """One ``PlanEntry`` per tracked layer, with the options its mode's layer takes."""
-    orient = orientations(kinds, flow) if plan.mode == "3d" else {}
+    extra = spec.entry_options(kinds, styles, flow) if spec.entry_options else {}
     for name, kind in kinds.items():
         options: dict[str, Any] = {}
         style = styles[name]
         if style == "packed_colwise":
             options["packed"] = _packed_blocks(name, modules[name])
-        if plan.mode == "3d" and kind != DROPOUT:
-            options["orientation"] = orient.get(name, 0)
-        if kind == DROPOUT and plan.mode == "1d":
-            srcs = flow.sources.get(name, ()) if flow else ()
-            options["sharded"] = any(styles.get(s) in COL_SHARDED for s in srcs)
+        options.update(extra.get(name, {}))
         plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
 
 
@@ -192,8 +170,6 @@ def find_heads(model: nn.Module, example: Any) -> dict[str, tuple[int, bool]]:
 
 
 def _check_kinds(given: dict[str, tuple[str, str]], kinds: dict[str, str]) -> None:
-    from gridtrain.parallel.tensor.plan import KIND_STYLES
-
     for name, (style, origin) in given.items():
         allowed = KIND_STYLES[kinds[name]]
         if style not in allowed:
@@ -216,67 +192,12 @@ def _packed_blocks(name: str, module: nn.Module) -> int:
     return out_f // in_f
 
 
-def _grid_styles(kinds, given, flow: Flow):
-    styles, origin = {}, {}
-    heads = flow.output_sources if flow else set()
-    defaults = {
-        EMBEDDING: "embedding_colwise",
-        NORM: "norm",
-        PATCH: "colwise",
-        DROPOUT: "replicate",
-    }
-    for name, kind in kinds.items():
-        if name in given and (kind != LINEAR or given[name][0] in GRID_GIVEN):
-            styles[name], origin[name] = given[name]
-        elif kind == LINEAR:
-            styles[name] = "gather_output" if name in heads else "auto"
-            origin[name] = "traced: a model output" if name in heads else "every Linear"
-        elif kind == OPAQUE:
-            raise PlanError(
-                f"'{name}' ({kinds[name]}) cannot run on 2d/2.5d/3d blocked activations"
-            )
-        else:
-            styles[name], origin[name] = defaults[kind], "default"
-    return styles, origin
-
-
-# given styles a 2d/3d Linear keeps (any other given style becomes the mode's Linear)
-GRID_GIVEN = ("gather_output", "colwise_gather_output", "vocab_parallel", "packed_colwise")
-
-
-def _check_1d_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> None:
-    """Column layers must be read by row layers, and row layers must read column layers."""
-    bad = _bad_sinks(kinds, flow)
-    for name in flow.order:
-        style = styles.get(name)
-        if kinds.get(name) != LINEAR:
-            continue
-        srcs = {s for s in flow.sources.get(name, ()) if kinds.get(s) == LINEAR}
-        if style in COL_SHARDED:
-            if name in bad:
-                raise PlanError(
-                    f"1d: '{name}' is {style} but its sharded output reaches a norm, a head or "
-                    "the model output without a row-parallel layer; make it "
-                    "colwise_gather_output or pair it with a rowwise layer"
-                )
-            for reader in flow.consumers(name):
-                if kinds.get(reader) == LINEAR and styles.get(reader) not in ROW:
-                    raise PlanError(
-                        f"1d: two column layers in a row: '{name}' ({style}) is read by "
-                        f"'{reader}' ({styles.get(reader)}); the reader must be rowwise"
-                    )
-        if style in ROW and srcs and not all(styles.get(s) in COL_SHARDED for s in srcs):
-            raise PlanError(
-                f"1d: '{name}' is rowwise but reads replicated outputs of "
-                f"{sorted(s for s in srcs if styles.get(s) not in COL_SHARDED)}; "
-                "use rowwise_split_input or make those colwise"
-            )
-
-
-def _dry_run(plan: Plan, modules: dict[str, nn.Module], ctx: ParallelContext) -> None:
+def _dry_run(
+    plan: Plan, modules: dict[str, nn.Module], ctx: ParallelContext, spec: TensorMode
+) -> None:
     """Build every sharded layer from a meta copy: checks divisibility, records shard shapes."""
     for name, entry in plan.entries.items():
-        factory, options = layer_for(ctx, name, entry.kind, entry.style, entry.options)
+        factory, options = spec.layer_for(name, entry.kind, entry.style, entry.options)
         entry.shards, entry.specs, entry.layer = {}, {}, ""
         if factory is None:
             continue
@@ -292,7 +213,7 @@ def _dry_run(plan: Plan, modules: dict[str, nn.Module], ctx: ParallelContext) ->
         entry.specs = {n: get_shard_spec(p) for n, p in layer.named_parameters(recurse=False)}
 
 
-def _resolve_ties(plan: Plan, model: nn.Module, modules, ctx: ParallelContext) -> None:
+def _resolve_ties(plan: Plan, modules, ctx: ParallelContext, spec: TensorMode) -> None:
     """Weights shared by two planned layers must be cut the same way in both."""
     users: dict[int, list[tuple[str, str]]] = {}
     for name in plan.entries:
@@ -309,22 +230,13 @@ def _resolve_ties(plan: Plan, model: nn.Module, modules, ctx: ParallelContext) -
                 continue
             if entry.origin in ("config", "hint") or entry.kind != LINEAR:
                 raise PlanError(_tie_error(plan, first, first_p, name, pname, want))
-            for style in _TIE_ALTERNATIVES[ctx.tensor_mode]:
+            for style in spec.tie_alternatives:
                 entry.style, entry.origin = style, f"tied to {first}.{first_p}"
-                _dry_run(Plan(plan.mode, plan.size, {name: entry}), modules, ctx)
+                _dry_run(Plan(plan.mode, plan.size, {name: entry}), modules, ctx, spec)
                 if entry.specs.get(pname, ()) == want:
                     break
             else:
                 raise PlanError(_tie_error(plan, first, first_p, name, pname, want))
-
-
-_TIE_ALTERNATIVES = {
-    "1d": ("colwise_gather_output", "rowwise_split_input", "vocab_parallel", "replicate"),
-    "2d": ("gather_output", "vocab_parallel"),
-    "2.5d": ("gather_output", "vocab_parallel"),
-    "3d": ("gather_output", "vocab_parallel"),
-    "sequence": ("replicate",),
-}
 
 
 def _tie_error(plan, first, first_p, name, pname, want) -> str:
@@ -335,30 +247,17 @@ def _tie_error(plan, first, first_p, name, pname, want) -> str:
     )
 
 
-def _check_all_params_planned(plan: Plan, model: nn.Module, mode: str) -> None:
-    covered = {
-        id(p)
-        for name, e in plan.entries.items()
-        if e.layer
-        for p in model.get_submodule(name).parameters()
-    }
-    loose = [n for n, p in model.named_parameters() if id(p) not in covered]
-    if loose:
-        more = f" ... and {len(loose) - 8} more" if len(loose) > 8 else ""
-        raise PlanError(
-            f"tensor mode {mode!r} blocks every activation over the grid, so every parameter "
-            f"must belong to a layer gridtrain shards (Linear, Embedding, a norm, "
-            f"gt.nn.PatchEmbedding); these do not: {', '.join(loose[:8])}{more}. "
-            f"{better_layout(model, sentence=True)}"
-        )
+def apply_plan(
+    model: nn.Module, plan: Plan, ctx: ParallelContext, adapter: ModelAdapter | None = None
+) -> dict[int, nn.Parameter]:
+    """Replace every planned layer of ``model`` in place; returns id(old param) -> new param.
 
-
-def apply_plan(model: nn.Module, plan: Plan, ctx: ParallelContext) -> dict[int, nn.Parameter]:
-    """Replace every planned layer of ``model`` in place; returns id(old param) -> new param."""
+    ``adapter``: the model's library adapter, as given to ``build_plan``."""
+    spec = mode_spec(ctx.tensor_mode)
     new_of: dict[int, nn.Parameter] = {}
     built: list[ShardedModule] = []
     for name, entry in plan.entries.items():
-        factory, options = layer_for(ctx, name, entry.kind, entry.style, entry.options)
+        factory, options = spec.layer_for(name, entry.kind, entry.style, entry.options)
         if factory is None:
             continue
         dense = model.get_submodule(name)
@@ -374,7 +273,6 @@ def apply_plan(model: nn.Module, plan: Plan, ctx: ParallelContext) -> dict[int, 
             built.append(layer)
     for layer in built:
         layer.release_dense()
-    adapter = model_adapter(model)
     if adapter is not None:  # runtime fixes the model's own code needs (local head counts...)
         adapter.after_apply(model, plan, ctx)
     logger.info("tensor plan applied: %d layers replaced", len(built))

@@ -1,20 +1,13 @@
-"""The tensor-parallel plan: which style each layer of a model gets, and why.
+"""The tensor-parallel plan's data model: layer kinds, styles, the plan and its printing.
 
 A plan maps module paths to styles (``config_names.STYLES``). It comes from, in order
 of precedence, the config (``parallel.tensor.plan``: patterns such as
 ``"blocks.*.attn.qkv"``, ``*`` standing for one name part, as in Hugging
 Face's ``tp_plan``), hints on ``gt.nn`` layers (``gt.nn.Linear(split="row")``),
 the model's own plan (Hugging Face's ``_tp_plan``), and for every layer left
-the model's data flow, traced once on the meta device (``trace.py``):
-
-* 1d: a Linear that reads column-parallel outputs is row-parallel; a Linear on
-  replicated activations is column-parallel when every Linear reading its
-  output can be row-parallel, else it gathers its output (an LM head, a
-  projection into a norm); embeddings split the vocabulary when it divides;
-* 2d / 2.5d: every Linear is a SUMMA Linear, except one whose output is a model
-  output (a head): the mode's Classifier, logits gathered;
-* 3d: as 2d, and each layer's orientation follows the data flow (a Linear
-  flips it, embeddings start at 0).
+the model's data flow, traced once on the meta device (``trace.py``) and read by
+the tensor mode's spec (``spec.py``; 1d: ``mode_1d/styles.py``, 2d/2.5d/3d:
+``blocked.py``). ``parallelize.py`` builds and applies it.
 
 ``print(plan)`` lists every layer with its style and this rank's shard shapes.
 """
@@ -23,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -31,7 +24,7 @@ from gridtrain.config_names import STYLES
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind
-from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF, Flow
+from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF
 from gridtrain.parallel.tensor.trace import OPAQUE as OPAQUE_HOW
 
 LINEAR, EMBEDDING, NORM, DROPOUT, PATCH, OPAQUE = (
@@ -96,21 +89,6 @@ TRACE_HOW = {
     NORM: PASS,
     DROPOUT: PASS,
 }
-
-
-def model_adapter(model: nn.Module):
-    """The adapter of the library ``model`` comes from, or None: ``gridtrain.hf`` for Hugging
-    Face ``transformers`` models (their plans, head checks, attention and pipeline layers).
-
-    An adapter module provides ``plan_model(model, ctx, example) -> (plan, example)``,
-    ``after_apply(model, plan, ctx)`` and ``pipeline_layers(model)``. Imported only for
-    such models, so gridtrain never imports ``transformers`` on its own.
-    """
-    if any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
-        import gridtrain.hf
-
-        return gridtrain.hf
-    return None
 
 
 def tracked_modules(model: nn.Module) -> dict[str, str]:
@@ -234,6 +212,21 @@ class Plan:
         ]
 
 
+class ModelAdapter(Protocol):
+    """What a model library adds to planning, for the models it defines: ``gridtrain.hf``
+    for Hugging Face ``transformers`` models. Chosen above ``parallel/`` (``gridtrain.adapters``)
+    and handed in, so the planner never imports a library's support."""
+
+    def plan_model(self, model: nn.Module, ctx, example: Any) -> tuple[dict[str, str], Any]:
+        """The model's plan (module pattern -> style) and the example to trace it with."""
+
+    def after_apply(self, model: nn.Module, plan: Plan, ctx) -> None:
+        """Fixes the model's own code needs once its layers are sharded (local head counts)."""
+
+    def pipeline_layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The model's layers in execution order, for a pipeline to cut between."""
+
+
 def layout_of(ctx) -> dict[str, Any]:
     """The data / pipeline sizes and the ZeRO stage of ``ctx``'s layout, for ``Plan.layout``."""
     zero = getattr(ctx.config, "zero", None)
@@ -245,125 +238,3 @@ def layout_of(ctx) -> dict[str, Any]:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "[" + ",".join(str(s) for s in shape) + "]"
-
-
-# ---- inference from the data flow --------------------------------------------------------
-def infer_1d(
-    kinds: dict[str, str],
-    fixed: dict[str, str],
-    flow: Flow | None,
-    modules: dict[str, nn.Module],
-    n: int,
-) -> dict[str, tuple[str, str]]:
-    """Style and origin of every layer under 1d (see the module docstring)."""
-    out = {name: (style, "given") for name, style in fixed.items()}
-    linears = [m for m in (flow.order if flow else kinds) if kinds.get(m) == LINEAR]
-    if flow is not None:
-        linears += [m for m in kinds if kinds[m] == LINEAR and m not in flow.sources]
-    bad_sinks = _bad_sinks(kinds, flow)
-
-    def sharded(name: str) -> bool:
-        return out.get(name, ("", ""))[0] in COL_SHARDED
-
-    def lin_sources(name: str) -> set[str]:
-        return {s for s in (flow.sources.get(name, ()) if flow else ()) if kinds.get(s) == LINEAR}
-
-    for name in linears:
-        if name in out:
-            continue
-        if flow is None or name not in flow.sources:
-            out[name] = (_head_style(modules[name], n), "default: not traced")
-            continue
-        srcs = lin_sources(name)
-        if any(sharded(s) for s in srcs):
-            if not all(sharded(s) for s in srcs):
-                mixed = sorted(s for s in srcs if not sharded(s))
-                raise PlanError(
-                    f"1d: '{name}' reads column-parallel outputs mixed with replicated ones "
-                    f"(from {mixed}); give its style in parallel.tensor.plan"
-                )
-            out[name] = ("rowwise", "traced: reads column-parallel outputs")
-            continue
-        if _can_pair(name, flow, kinds, out, bad_sinks, lin_sources, n, modules):
-            out[name] = ("colwise", "traced: read by row-parallel layers")
-        else:
-            why = "feeds a norm or the output" if name in bad_sinks else "no row-parallel reader"
-            out[name] = (_head_style(modules[name], n), f"traced: {why}")
-    for name, kind in kinds.items():
-        if name in out:
-            continue
-        if kind == EMBEDDING:
-            emb = modules[name]
-            style = "replicate"
-            if emb.num_embeddings % n == 0:
-                style = "embedding_rowwise"
-            elif emb.embedding_dim % n == 0:
-                style = "embedding_colwise"
-            out[name] = (style, "default")
-        elif kind == PATCH:
-            out[name] = ("colwise", "default")
-        else:
-            out[name] = ("replicate", "default")
-    return out
-
-
-def _head_style(linear: nn.Module, n: int) -> str:
-    from gridtrain.parallel.tensor.base import linear_dims
-
-    return "colwise_gather_output" if linear_dims(linear)[1] % n == 0 else "replicate"
-
-
-def _bad_sinks(kinds: dict[str, str], flow: Flow | None) -> set[str]:
-    """Linears whose output reaches a norm, an opaque layer, a head or the model output."""
-    if flow is None:
-        return set()
-    bad = set(flow.output_sources)
-    for m, srcs in flow.sources.items():
-        if kinds.get(m) in (NORM, OPAQUE, EMBEDDING, PATCH):
-            bad |= srcs
-    return bad
-
-
-def _can_pair(name, flow, kinds, out, bad_sinks, lin_sources, n, modules) -> bool:
-    """Whether ``name`` can be column-parallel: its readers all Linears that can be row-parallel."""
-    if name in bad_sinks:
-        return False
-    readers = flow.consumers(name)
-    if not readers:
-        return False
-    for reader in readers:
-        if kinds.get(reader) != LINEAR or out.get(reader, ("rowwise",))[0] not in ROW:
-            if kinds.get(reader) != DROPOUT:
-                return False
-        for other in lin_sources(reader):
-            if other == name:
-                continue
-            done = out.get(other)
-            if done is not None and done[0] not in COL_SHARDED:
-                return False
-            if done is None and other in bad_sinks:
-                return False
-    from gridtrain.parallel.tensor.base import linear_dims
-
-    return linear_dims(modules[name])[1] % n == 0
-
-
-def orientations(kinds: dict[str, str], flow: Flow) -> dict[str, int]:
-    """3d: the orientation of each layer's activations (a Linear's input; see ``mode_3d.cube``)."""
-    out_orient: dict[str, int] = {}
-    result: dict[str, int] = {}
-    for name in flow.order:
-        srcs = sorted(s for s in flow.sources.get(name, ()) if s in out_orient)
-        seen = {out_orient[s] for s in srcs}
-        if len(seen) > 1:
-            by = {o: [s for s in srcs if out_orient[s] == o] for o in seen}
-            raise PlanError(
-                f"3d: '{name}' reads activations of both orientations (orientation 0 from "
-                f"{by[0]}, 1 from {by[1]}): every path between two layers must pass an equal "
-                "parity of Linears"
-            )
-        orient = seen.pop() if seen else 0
-        result[name] = orient
-        if kinds.get(name) == LINEAR:
-            out_orient[name] = 1 - orient
-    return result

@@ -1,5 +1,10 @@
-"""1D tensor parallelism (Megatron-LM): column/row Linears, split embeddings, vocab-parallel loss."""
+"""1D tensor parallelism (Megatron-LM): column/row Linears, split embeddings, vocab-parallel loss.
 
+``MODE`` is the mode's spec (``tensor/spec.py``): its layer table, style inference
+(``styles.py``), batch split and loss (``loss.py``)."""
+
+from gridtrain.parallel.tensor.dropout import dropout_factory
+from gridtrain.parallel.tensor.mode_1d import styles
 from gridtrain.parallel.tensor.mode_1d.embedding import (
     Embedding1D,
     PatchEmbedding1D,
@@ -7,8 +12,54 @@ from gridtrain.parallel.tensor.mode_1d.embedding import (
 )
 from gridtrain.parallel.tensor.mode_1d.linear import PM1D, ColumnLinear, RowLinear
 from gridtrain.parallel.tensor.mode_1d.loss import CrossEntropyLoss, accuracy, split_batch
+from gridtrain.parallel.tensor.plan import COL_SHARDED, DROPOUT, EMBEDDING, LINEAR, NORM, PATCH
+from gridtrain.parallel.tensor.spec import TensorMode, one_group
+
+LAYERS = {
+    (LINEAR, "colwise"): (ColumnLinear, {}),
+    (LINEAR, "packed_colwise"): (ColumnLinear, {}),
+    (LINEAR, "colwise_gather_output"): (ColumnLinear, {"gather_output": True}),
+    (LINEAR, "gather_output"): (ColumnLinear, {"gather_output": True}),
+    (LINEAR, "vocab_parallel"): (ColumnLinear, {"vocab_parallel": True}),
+    (LINEAR, "rowwise"): (RowLinear, {}),
+    (LINEAR, "rowwise_split_input"): (RowLinear, {"parallel_input": False}),
+    (EMBEDDING, "embedding_rowwise"): (VocabParallelEmbedding1D, {}),
+    (EMBEDDING, "embedding_colwise"): (Embedding1D, {}),
+    (EMBEDDING, "colwise"): (Embedding1D, {}),
+    (PATCH, "colwise"): (PatchEmbedding1D, {}),
+    (DROPOUT, "replicate"): (dropout_factory(PM1D, PM1D), {}),
+}
+
+
+def _splits_output(kind: str, style: str) -> bool:
+    """Only column-parallel outputs stay split; everything else comes out whole."""
+    return kind == LINEAR and style in (*COL_SHARDED, "vocab_parallel")
+
+
+MODE = TensorMode(
+    name="1d",
+    groups=one_group(PM1D),
+    split_batch=split_batch,
+    loss=CrossEntropyLoss,
+    accuracy=accuracy,
+    layers=LAYERS,
+    kept=frozenset({NORM}),  # activations around norms are replicated
+    infer_styles=styles.styles_1d,
+    needs_flow=styles.needs_flow,
+    entry_options=styles.dropout_options,
+    tie_alternatives=(
+        "colwise_gather_output",
+        "rowwise_split_input",
+        "vocab_parallel",
+        "replicate",
+    ),
+    head_split=lambda size, depth: (size, f"PARALLEL_1D ({size} ranks)"),
+    splits_output=_splits_output,
+    splits_weights=True,
+)
 
 __all__ = [
+    "MODE",
     "PM1D",
     "ColumnLinear",
     "CrossEntropyLoss",

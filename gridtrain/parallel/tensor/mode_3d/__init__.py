@@ -1,6 +1,12 @@
-"""3D tensor parallelism on a d x d x d cube (Bian et al. 2021)."""
+"""3D tensor parallelism on a d x d x d cube (Bian et al. 2021).
 
-from gridtrain.parallel.tensor.mode_3d.cube import Cube, split_batch, swap_orientation
+``MODE`` is the mode's spec (``tensor/spec.py``): the blocked modes' planning
+(``tensor/blocked.py``) with the cube's layers, orientations (``orientations.py``),
+batch split (``cube.py``) and loss (``loss.py``)."""
+
+from gridtrain.parallel.tensor import blocked
+from gridtrain.parallel.tensor.mode_3d import layers
+from gridtrain.parallel.tensor.mode_3d.cube import Cube, cube_groups, split_batch, swap_orientation
 from gridtrain.parallel.tensor.mode_3d.layers import (
     Classifier,
     Embedding,
@@ -11,8 +17,27 @@ from gridtrain.parallel.tensor.mode_3d.layers import (
     VocabParallelEmbedding,
 )
 from gridtrain.parallel.tensor.mode_3d.loss import CrossEntropyLoss, accuracy
+from gridtrain.parallel.tensor.mode_3d.orientations import orientation_options
+
+
+def _head_split(size: int, depth: int) -> tuple[int, str]:
+    d = round(size ** (1 / 3))
+    return d, f"the cube's hidden axis (d = {d})"
+
+
+MODE = blocked.blocked_mode(
+    "3d",
+    blocked.layer_table(layers),
+    groups=cube_groups,
+    split_batch=split_batch,
+    loss=CrossEntropyLoss,
+    accuracy=accuracy,
+    head_split=_head_split,
+    entry_options=orientation_options,
+)
 
 __all__ = [
+    "MODE",
     "Classifier",
     "CrossEntropyLoss",
     "Cube",

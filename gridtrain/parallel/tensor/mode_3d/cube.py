@@ -31,6 +31,7 @@ so every rank holds 1/d^3 of each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,6 +42,25 @@ from gridtrain.parallel.mode import ParallelMode as PM
 
 INPUT, WEIGHT, OUTPUT = PM.PARALLEL_3D_INPUT, PM.PARALLEL_3D_WEIGHT, PM.PARALLEL_3D_OUTPUT
 PAIR = {WEIGHT: PM.PARALLEL_3D_INPUT_X_WEIGHT, OUTPUT: PM.PARALLEL_3D_INPUT_X_OUTPUT}
+
+
+def cube_groups(size: int, depth: int = 1) -> dict[PM, list[list[int]]]:
+    """One tensor block's groups: rank (i, j, k) is tensor rank ``k*d*d + j*d + i``; one group
+    per axis (its coordinate varies) and per pair of axes (both vary)."""
+    d = round(size ** (1 / 3))
+    r = range(d)
+
+    def at(i: int, j: int, k: int) -> int:
+        return k * d * d + j * d + i
+
+    return {
+        INPUT: [[at(i, j, k) for i in r] for k, j in product(r, r)],
+        WEIGHT: [[at(i, j, k) for j in r] for k, i in product(r, r)],
+        OUTPUT: [[at(i, j, k) for k in r] for j, i in product(r, r)],
+        PM.PARALLEL_3D_INPUT_X_WEIGHT: [[at(i, j, k) for j, i in product(r, r)] for k in r],
+        PM.PARALLEL_3D_OUTPUT_X_WEIGHT: [[at(i, j, k) for k, j in product(r, r)] for i in r],
+        PM.PARALLEL_3D_INPUT_X_OUTPUT: [[at(i, j, k) for k, i in product(r, r)] for j in r],
+    }
 
 
 @dataclass(frozen=True, eq=False)

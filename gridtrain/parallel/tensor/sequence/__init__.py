@@ -1,5 +1,11 @@
-"""Sequence parallelism: positions split over SEQUENCE, ring self-attention, token losses."""
+"""Sequence parallelism: positions split over SEQUENCE, ring self-attention, token losses.
 
+``MODE`` is the mode's spec (``tensor/spec.py``): every weight stays whole, so the
+plan only gives each dropout its per-rank stream; ``layout.py`` splits the batch,
+``loss.py`` sums token losses over the sequence group."""
+
+from gridtrain.parallel.tensor.dropout import dropout_factory
+from gridtrain.parallel.tensor.plan import DROPOUT, EMBEDDING, LINEAR, NORM, OPAQUE, PATCH
 from gridtrain.parallel.tensor.sequence.attention import VARIANTS, ring_attention
 from gridtrain.parallel.tensor.sequence.layout import (
     SEQUENCE,
@@ -10,8 +16,28 @@ from gridtrain.parallel.tensor.sequence.layout import (
     split_batch,
 )
 from gridtrain.parallel.tensor.sequence.loss import CrossEntropyLoss, accuracy
+from gridtrain.parallel.tensor.spec import TensorMode, one_group
+
+
+def _replicated(kinds, given, flow, modules, n):
+    """Weights are replicated; only dropout masks differ per rank (module docstring)."""
+    return {m: "replicate" for m in kinds}, {m: "sequence: replicated" for m in kinds}
+
+
+MODE = TensorMode(
+    name="sequence",
+    groups=one_group(SEQUENCE),
+    split_batch=split_batch,
+    loss=CrossEntropyLoss,
+    accuracy=accuracy,
+    layers={(DROPOUT, "replicate"): (dropout_factory(SEQUENCE), {})},
+    kept=frozenset({LINEAR, EMBEDDING, NORM, PATCH, OPAQUE}),
+    infer_styles=_replicated,
+    tie_alternatives=("replicate",),
+)
 
 __all__ = [
+    "MODE",
     "SEQUENCE",
     "VARIANTS",
     "CrossEntropyLoss",

@@ -1,5 +1,6 @@
-"""Layers with no tensor parallelism: the dense twins gridtrain adds to torch's, and the
-batch split, loss and accuracy of a run without a tensor mode."""
+"""The plain layers gridtrain adds to torch's (``gt.nn.Classifier``, ``gt.nn.PatchEmbedding``):
+what the planner leaves whole with no tensor mode, and the dense twin of each mode's
+classifier and patch embedding."""
 
 from __future__ import annotations
 
@@ -8,14 +9,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.tensor.vocab import (
-    GridCrossEntropyLoss,
-    class_last,
-    is_vocab_sharded,
-    plain,
-)
 
 
 class Classifier(nn.Linear):
@@ -96,34 +89,3 @@ class PatchEmbedding(nn.Module):
         x = F.conv2d(x, self.weight, self.bias, stride=self.patch_size).flatten(2).transpose(1, 2)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         return torch.cat([cls, x], dim=1) + self.pos_embed
-
-
-class CrossEntropyLoss(GridCrossEntropyLoss):
-    """``nn.CrossEntropyLoss`` (class dim last, or at 1): rows and classes all on this rank."""
-
-    def forward(self, logits: Tensor, labels: Tensor) -> Tensor:
-        from gridtrain.parallel.tensor.chunked_loss import DeferredLogits
-
-        if self.vocab_parallel or isinstance(logits, DeferredLogits) or is_vocab_sharded(logits):
-            return super().forward(logits, labels)
-        # whole rows and classes: torch's own loss, one fused kernel pair (the common case)
-        logits = class_last(plain(logits), labels)
-        return F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]),
-            labels.reshape(-1),
-            self.weight,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-        )
-
-
-def accuracy(logits: Tensor, labels: Tensor, ctx: ParallelContext | None = None):
-    """(correct, total) over this data-parallel rank's batch, as 0-d tensors."""
-    correct = (plain(logits).argmax(dim=-1) == labels).sum()
-    return correct, torch.tensor(labels.numel(), device=labels.device)
-
-
-def split_batch(x: Tensor, ctx: ParallelContext) -> Tensor:
-    """No tensor parallelism: every rank of the tensor group keeps the whole batch."""
-    return x

@@ -1,0 +1,121 @@
+"""What 2d, 2.5d and 3d share: every activation is blocked over the tensor grid.
+
+Both grids cut an activation's batch and hidden dims over their axes, so every
+Linear is the mode's Linear, a Linear whose output is a model output is the
+mode's classifier (logits gathered), and every parameter must belong to a layer
+the mode shards: a weight left whole could not meet the blocked activations.
+``mode_2d`` and ``mode_3d`` build their specs from these parts and their own layers.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from torch import nn
+
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.coverage import better_layout
+from gridtrain.parallel.tensor.dropout import dropout_factory
+from gridtrain.parallel.tensor.plan import (
+    DROPOUT,
+    EMBEDDING,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    PATCH,
+    Plan,
+    PlanError,
+)
+from gridtrain.parallel.tensor.spec import LayerTable, TensorMode
+from gridtrain.parallel.tensor.trace import Flow
+
+# given styles a blocked Linear keeps (any other given style becomes the mode's Linear)
+KEPT_GIVEN = ("gather_output", "colwise_gather_output", "vocab_parallel", "packed_colwise")
+GATHERED = ("gather_output", "colwise_gather_output")  # heads whose logits come out whole
+TIE_ALTERNATIVES = ("gather_output", "vocab_parallel")
+_INNER = ("auto", "colwise", "rowwise", "packed_colwise", "rowwise_split_input")  # -> Linear
+_DEFAULTS = {EMBEDDING: "embedding_colwise", NORM: "norm", PATCH: "colwise", DROPOUT: "replicate"}
+
+
+def layer_table(*modules: ModuleType) -> LayerTable:
+    """Every Linear is the mode's ``Linear``, a head its ``Classifier`` (logits gathered) or
+    ``VocabParallelClassifier`` (logits split over the classes); each class is taken by its
+    name from the first of the mode's layer ``modules`` that defines it."""
+
+    def cls(name: str) -> type:
+        return next(getattr(m, name) for m in modules if hasattr(m, name))
+
+    table: LayerTable = {(LINEAR, s): (cls("Linear"), {}) for s in _INNER}
+    table[(LINEAR, "gather_output")] = (cls("Classifier"), {})
+    table[(LINEAR, "colwise_gather_output")] = (cls("Classifier"), {})
+    table[(LINEAR, "vocab_parallel")] = (cls("VocabParallelClassifier"), {})
+    table[(EMBEDDING, "embedding_rowwise")] = (cls("VocabParallelEmbedding"), {})
+    table[(EMBEDDING, "embedding_colwise")] = (cls("Embedding"), {})
+    table[(EMBEDDING, "colwise")] = (cls("Embedding"), {})
+    table[(NORM, "norm")] = (cls("Norm"), {})
+    table[(PATCH, "colwise")] = (cls("PatchEmbedding"), {})
+    table[(DROPOUT, "replicate")] = (dropout_factory(ParallelMode.TENSOR), {})
+    return table
+
+
+def infer_styles(kinds, given, flow: Flow | None, modules=None, n: int = 0):
+    """Every layer's style and origin: given styles a blocked layer can take, the mode's
+    Linear for every other Linear, its classifier for a model output, defaults elsewhere."""
+    styles, origin = {}, {}
+    heads = flow.output_sources if flow else set()
+    for name, kind in kinds.items():
+        if name in given and (kind != LINEAR or given[name][0] in KEPT_GIVEN):
+            styles[name], origin[name] = given[name]
+        elif kind == LINEAR:
+            styles[name] = "gather_output" if name in heads else "auto"
+            origin[name] = "traced: a model output" if name in heads else "every Linear"
+        elif kind == OPAQUE:
+            raise PlanError(f"'{name}' ({kind}) cannot run on 2d/2.5d/3d blocked activations")
+        else:
+            styles[name], origin[name] = _DEFAULTS[kind], "default"
+    return styles, origin
+
+
+def needs_flow(kinds: dict, given: dict) -> bool:
+    """Heads (and 3d's orientations) are read off the flow, so it is always needed."""
+    return True
+
+
+def splits_output(kind: str, style: str) -> bool:
+    """Every output keeps its hidden dim blocked, except gathered logits."""
+    return not (kind == LINEAR and style in GATHERED)
+
+
+def check_all_params_planned(plan: Plan, model: nn.Module) -> None:
+    """Every parameter must belong to a layer the mode replaces (module docstring)."""
+    covered = {
+        id(p)
+        for name, e in plan.entries.items()
+        if e.layer
+        for p in model.get_submodule(name).parameters()
+    }
+    loose = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if loose:
+        more = f" ... and {len(loose) - 8} more" if len(loose) > 8 else ""
+        raise PlanError(
+            f"tensor mode {plan.mode!r} blocks every activation over the grid, so every parameter "
+            f"must belong to a layer gridtrain shards (Linear, Embedding, a norm, "
+            f"gt.nn.PatchEmbedding); these do not: {', '.join(loose[:8])}{more}. "
+            f"{better_layout(model, sentence=True)}"
+        )
+
+
+def blocked_mode(name: str, layers: LayerTable, **parts) -> TensorMode:
+    """A blocked mode's spec: these shared parts, the mode's ``layers``, and ``parts``, what
+    is the mode's own (batch split, loss, accuracy, head split...)."""
+    return TensorMode(
+        name=name,
+        layers=layers,
+        infer_styles=infer_styles,
+        needs_flow=needs_flow,
+        check=check_all_params_planned,
+        tie_alternatives=TIE_ALTERNATIVES,
+        splits_output=splits_output,
+        splits_weights=True,
+        **parts,
+    )

@@ -1,0 +1,14 @@
+"""No tensor mode: every rank of a model replica holds every layer whole and the whole batch."""
+
+from gridtrain.parallel.tensor.none.layers import Classifier, PatchEmbedding
+from gridtrain.parallel.tensor.none.loss import CrossEntropyLoss, accuracy, split_batch
+from gridtrain.parallel.tensor.spec import TensorMode
+
+MODE = TensorMode(
+    name=None,
+    split_batch=split_batch,
+    loss=CrossEntropyLoss,
+    accuracy=accuracy,
+)
+
+__all__ = ["MODE", "Classifier", "CrossEntropyLoss", "PatchEmbedding", "accuracy", "split_batch"]

@@ -1,0 +1,84 @@
+"""A tensor mode as one object: everything the planner, the engine and ``gt.nn`` ask of a mode.
+
+Each mode package (``none/``, ``mode_1d/``, ``mode_2d/`` for 2d and 2.5d, ``mode_3d/``,
+``sequence/``) builds one ``TensorMode`` from its own parts, and ``registry.py`` maps the
+config's mode names to them. ``parallelize.py`` drives a spec without knowing which mode it
+is; ``topology.py`` asks it for the groups of a tensor block, the engine for ``split_batch``,
+``gt.nn`` for the loss and accuracy, ``gridtrain estimate`` for the head split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.plan import DROPOUT, Plan, PlanError
+from gridtrain.parallel.tensor.trace import Flow
+
+Factory = Callable[..., Any]  # factory(dense_module, ctx, **options) -> the sharded layer
+LayerTable = dict[tuple[str, str], tuple[Factory, dict[str, Any]]]  # (kind, style) -> factory
+Styles = tuple[dict[str, str], dict[str, str]]  # module -> style, module -> where it came from
+BlockGroups = dict[ParallelMode, list[list[int]]]  # mode -> groups of tensor ranks 0..size-1
+
+
+def no_head_split(size: int, depth: int) -> tuple[int, str]:
+    return 1, "no group"
+
+
+def no_groups(size: int, depth: int) -> BlockGroups:
+    return {}
+
+
+def one_group(mode: ParallelMode) -> Callable[[int, int], BlockGroups]:
+    """Groups of a mode whose tensor block is one group of ``mode``."""
+    return lambda size, depth: {mode: [list(range(size))]}
+
+
+@dataclass(frozen=True)
+class TensorMode:
+    """One tensor mode's parts (see the module docstring); the mode package fills them in.
+
+    ``infer_styles(kinds, given, flow, modules, n)`` gives every tracked layer's style and
+    origin (``given``: module -> (style, origin) from the config, hints and the model's
+    plan); ``needs_flow(kinds, given)`` says whether the plan cannot do without the data
+    flow (None: the mode never traces); ``entry_options(kinds, styles, flow)`` adds the
+    options its layers take (module -> options); ``check(plan, model)`` runs after the dry
+    run; ``splits_output(kind, style)`` says whether a replaced layer's output leaves its
+    last dim split (None: the model's forward is not re-run on local shapes).
+    """
+
+    name: str | None
+    split_batch: Callable  # (x, ctx) -> this rank's part of a batch tensor
+    loss: type[nn.Module]  # gt.nn.CrossEntropyLoss's implementation under the mode
+    accuracy: Callable  # (logits, labels, ctx) -> (correct, total)
+    groups: Callable[[int, int], BlockGroups] = no_groups  # (size, depth): one block's groups
+    layers: LayerTable = field(default_factory=dict)
+    kept: frozenset[str] = frozenset()  # kinds the mode leaves dense whatever their style
+    infer_styles: Callable[..., Styles] | None = None  # None: no layer is planned
+    needs_flow: Callable[[dict, dict], bool] | None = None
+    entry_options: Callable[[dict, dict, Flow | None], dict[str, dict]] | None = None
+    check: Callable[[Plan, nn.Module], None] | None = None
+    tie_alternatives: tuple[str, ...] = ()  # styles a tied Linear may take to match its twin
+    head_split: Callable[[int, int], tuple[int, str]] = no_head_split  # (ways, group in words)
+    splits_output: Callable[[str, str], bool] | None = None
+    splits_weights: bool = False  # whether the coverage notice applies
+
+    def layer_for(
+        self, name: str, kind: str, style: str, options: dict[str, Any]
+    ) -> tuple[Factory | None, dict[str, Any]]:
+        """(factory, options) for ``name``, a ``kind`` layer planned ``style``; (None, {})
+        where the dense module is kept as it is."""
+        if kind in self.kept or (style == "replicate" and kind != DROPOUT):
+            return None, {}
+        entry = self.layers.get((kind, style))
+        if entry is None:
+            raise PlanError(
+                f"'{name}': style '{style}' does not apply to a {kind} layer under tensor mode "
+                f"{self.name!r}"
+            )
+        factory, fixed = entry
+        return factory, {**fixed, **options}
