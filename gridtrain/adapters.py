@@ -11,13 +11,10 @@ and ``transformers`` is imported only for its own models.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-import torch
 from torch import nn
 
 from gridtrain.engine.initialize import initialize as _initialize
-from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tensor.plan import ModelAdapter
 
 
@@ -31,27 +28,9 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
     return None
 
 
-@functools.wraps(_initialize)
-def initialize(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    criterion: nn.Module | None = None,
-    train_dataloader=None,
-    test_dataloader=None,
-    lr_scheduler=None,
-    ctx: ParallelContext | None = None,
-    example_inputs: Any = None,
-    adapter: ModelAdapter | None = None,
-):
+@functools.wraps(_initialize)  # the engine's signature and docstring
+def initialize(model: nn.Module, *args, adapter: ModelAdapter | None = None, **kwargs):
     # gt.initialize: the engine's, with the model's adapter picked here when none is given
-    return _initialize(
-        model,
-        optimizer,
-        criterion,
-        train_dataloader,
-        test_dataloader,
-        lr_scheduler,
-        ctx=ctx,
-        example_inputs=example_inputs,
-        adapter=adapter if adapter is not None else adapter_for(model),
-    )
+    if adapter is None:
+        adapter = adapter_for(model)
+    return _initialize(model, *args, adapter=adapter, **kwargs)

@@ -15,7 +15,8 @@ from helpers.harness import run_distributed
 
 import gridtrain as gt
 from gridtrain.engine.clip import global_grad_norm
-from gridtrain.parallel.sharding import set_dp_mode, set_shard_spec, shard_tensor
+from gridtrain.parallel.sharding import shard_tensor
+from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 
 PM = gt.ParallelMode
 STEPS, GLOBAL_BATCH, MAX_NORM = 3, 8, 0.05

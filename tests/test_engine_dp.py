@@ -9,8 +9,8 @@ from helpers.harness import run_distributed
 import gridtrain as gt
 from gridtrain.gradient_handlers import SequenceParallelGradientHandler, handler_class
 from gridtrain.parallel import comm
-from gridtrain.parallel.sharding import set_dp_mode
 from gridtrain.parallel.sync import OverlappedDataParallel
+from gridtrain.parallel.tags import set_dp_mode
 
 PM = gt.ParallelMode
 STEPS, GLOBAL_BATCH = 3, 8

@@ -15,7 +15,8 @@ sys.path.insert(0, str(REPO))
 import gridtrain as gt  # noqa: E402
 from demos.gpt import data as gpt_data  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
-from gridtrain.parallel.sharding import full_tensor, get_shard_spec  # noqa: E402
+from gridtrain.parallel.sharding import full_tensor  # noqa: E402
+from gridtrain.parallel.tags import get_shard_spec  # noqa: E402
 
 # the "tiny" preset shrunk to test size: 4 heads so 1d TP 4 holds one head per rank
 CFG = gpt_model.preset("tiny", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64)

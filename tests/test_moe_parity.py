@@ -24,7 +24,8 @@ import gridtrain as gt  # noqa: E402
 from demos.moe.model import MoeCriterion, WideNet, WideNetConfig  # noqa: E402
 from gridtrain.amp import AMP_TYPE  # noqa: E402
 from gridtrain.parallel import moe  # noqa: E402
-from gridtrain.parallel.sharding import full_tensor, get_shard_spec  # noqa: E402
+from gridtrain.parallel.sharding import full_tensor  # noqa: E402
+from gridtrain.parallel.tags import get_shard_spec  # noqa: E402
 
 # 8x8 images, 4x4 patches: 5 tokens an image; capacity factor 16 >> any expert's load
 CFG = WideNetConfig(

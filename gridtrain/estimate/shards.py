@@ -93,7 +93,7 @@ def tensor_shards(spec: ModelSpec, mode: str | None, size: int, depth: int = 1) 
     layout = Layout(cfg, size)
     model = meta_skeleton(spec)
     example = torch.zeros(max(1, size), min(spec.seq_len, 8), dtype=torch.long, device="meta")
-    plan = build_plan(model, layout, example if mode not in (None, "sequence") else None)
+    plan = build_plan(model, layout, example)  # modes that do not trace ignore the example
     owned: set[int] = set()
     layers = [_layer_shards(n, m, plan, owned) for n, m in model.named_children()]
     return TensorShards(plan, *layers)

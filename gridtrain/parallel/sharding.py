@@ -23,14 +23,7 @@ from torch.distributed.tensor import DTensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.tags import (  # noqa: F401 - get/set re-exported for older imports
-    ShardSpec,
-    as_spec,
-    get_dp_mode,
-    get_shard_spec,
-    set_dp_mode,
-    set_shard_spec,
-)
+from gridtrain.parallel.tags import ShardSpec, as_spec, get_shard_spec
 from gridtrain.parallel.zero.rows import get_zero_rows
 
 

@@ -31,7 +31,8 @@ from gridtrain.parallel.dense_state import (
     load_full_state_dict,
     merge_stages,
 )
-from gridtrain.parallel.sharding import dense_shape, get_shard_spec, shard_tensor
+from gridtrain.parallel.sharding import dense_shape, shard_tensor
+from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.zero.rows import get_zero_rows
 
 FORMAT = 1

@@ -105,12 +105,14 @@ def check_all_params_planned(plan: Plan, model: nn.Module) -> None:
         )
 
 
-def blocked_mode(name: str, layers: LayerTable, **parts) -> TensorMode:
-    """A blocked mode's spec: these shared parts, the mode's ``layers``, and ``parts``, what
-    is the mode's own (batch split, loss, accuracy, head split...)."""
+def blocked_mode(name: str, split_batch, loss, accuracy, **parts) -> TensorMode:
+    """A blocked mode's spec: ``TensorMode``'s first four fields, these shared parts, and
+    ``parts``, what else is the mode's own (layers, groups, head split...)."""
     return TensorMode(
-        name=name,
-        layers=layers,
+        name,
+        split_batch,
+        loss,
+        accuracy,
         infer_styles=infer_styles,
         needs_flow=needs_flow,
         check=check_all_params_planned,

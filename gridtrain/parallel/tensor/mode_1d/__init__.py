@@ -37,11 +37,11 @@ def _splits_output(kind: str, style: str) -> bool:
 
 
 MODE = TensorMode(
-    name="1d",
+    "1d",
+    split_batch,
+    CrossEntropyLoss,
+    accuracy,
     groups=one_group(PM1D),
-    split_batch=split_batch,
-    loss=CrossEntropyLoss,
-    accuracy=accuracy,
     layers=LAYERS,
     kept=frozenset({NORM}),  # activations around norms are replicated
     infer_styles=styles.styles_1d,

@@ -18,16 +18,15 @@ from gridtrain.parallel.tensor.plan import (
     DROPOUT,
     EMBEDDING,
     LINEAR,
-    NORM,
-    OPAQUE,
     PATCH,
     ROW,
     PlanError,
 )
 from gridtrain.parallel.tensor.trace import Flow
 
-# the kinds whose input a column-parallel (still split) output must not reach
-_SPLIT_SINKS = (NORM, OPAQUE, EMBEDDING, PATCH)
+# the kinds that may read a column-parallel (still split) output: a row-parallel Linear,
+# and a dropout, which passes it on; every other layer needs the whole activation
+_SPLIT_READERS = (LINEAR, DROPOUT)
 
 
 def styles_1d(
@@ -67,7 +66,7 @@ def split_sinks(kinds: dict[str, str], flow: Flow | None) -> set[str]:
         return set()
     bad = set(flow.output_sources)
     for m, srcs in flow.sources.items():
-        if kinds.get(m) in _SPLIT_SINKS:
+        if kinds.get(m, LINEAR) not in _SPLIT_READERS:
             bad |= srcs
     return bad
 

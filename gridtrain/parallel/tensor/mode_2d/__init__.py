@@ -36,10 +36,10 @@ def _head_split(size: int, depth: int) -> tuple[int, str]:
 
 MODE_2D = blocked.blocked_mode(
     "2d",
-    blocked.layer_table(layers, vocab),
-    split_batch=split_batch,
-    loss=CrossEntropyLoss,
-    accuracy=accuracy,
+    split_batch,
+    CrossEntropyLoss,
+    accuracy,
+    layers=blocked.layer_table(layers, vocab),
     head_split=_head_split,
     groups=functools.partial(grid_groups, "2d"),
 )

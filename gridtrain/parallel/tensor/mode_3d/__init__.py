@@ -27,11 +27,11 @@ def _head_split(size: int, depth: int) -> tuple[int, str]:
 
 MODE = blocked.blocked_mode(
     "3d",
-    blocked.layer_table(layers),
+    split_batch,
+    CrossEntropyLoss,
+    accuracy,
+    layers=blocked.layer_table(layers),
     groups=cube_groups,
-    split_batch=split_batch,
-    loss=CrossEntropyLoss,
-    accuracy=accuracy,
     head_split=_head_split,
     entry_options=orientation_options,
 )

@@ -4,11 +4,6 @@ from gridtrain.parallel.tensor.none.layers import Classifier, PatchEmbedding
 from gridtrain.parallel.tensor.none.loss import CrossEntropyLoss, accuracy, split_batch
 from gridtrain.parallel.tensor.spec import TensorMode
 
-MODE = TensorMode(
-    name=None,
-    split_batch=split_batch,
-    loss=CrossEntropyLoss,
-    accuracy=accuracy,
-)
+MODE = TensorMode(None, split_batch, CrossEntropyLoss, accuracy)
 
 __all__ = ["MODE", "Classifier", "CrossEntropyLoss", "PatchEmbedding", "accuracy", "split_batch"]

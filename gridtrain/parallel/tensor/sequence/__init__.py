@@ -25,11 +25,11 @@ def _replicated(kinds, given, flow, modules, n):
 
 
 MODE = TensorMode(
-    name="sequence",
+    "sequence",
+    split_batch,
+    CrossEntropyLoss,
+    accuracy,
     groups=one_group(SEQUENCE),
-    split_batch=split_batch,
-    loss=CrossEntropyLoss,
-    accuracy=accuracy,
     layers={(DROPOUT, "replicate"): (dropout_factory(SEQUENCE), {})},
     kept=frozenset({LINEAR, EMBEDDING, NORM, PATCH, OPAQUE}),
     infer_styles=_replicated,
