@@ -157,6 +157,31 @@ def initialize(
     recompute = None  # the block classes to checkpoint, seen on the whole model
     if cfg.activation_checkpoint is not None:
         recompute = block_types(model)
+    model, optimizer, schedule = _keep_this_stage(model, optimizer, ctx, plan, adapter)
+    if criterion is not None and isinstance(criterion, nn.Module):
+        criterion.to(ctx.device)
+    model, optimizer, criterion, zero, autocast_dtype = _prepare_training(
+        model, optimizer, criterion, ctx, recompute
+    )
+    engine = Engine(
+        model,
+        optimizer,
+        criterion,
+        ctx,
+        schedule,
+        build_grad_sync(model, ctx, zero),  # after amp: buckets are per dtype
+        autocast_dtype=autocast_dtype,
+        lr_scheduler=lr_scheduler,
+        plan=plan,
+        zero=zero,
+    )
+    return engine, train_dataloader, test_dataloader, lr_scheduler
+
+
+def _keep_this_stage(model: nn.Module, optimizer, ctx: ParallelContext, plan: Plan, adapter):
+    """This rank's pipeline stage of ``model`` (all of it without a pipeline), materialised
+    and on its device; returns ``(model, optimizer, schedule)``."""
+    cfg = ctx.config
     # ZeRO 3 with offload keeps parameters in CPU memory: the model may exceed the device's
     home = ctx.device
     if cfg.zero is not None and cfg.zero.stage == 3 and cfg.zero.offload:
@@ -173,8 +198,16 @@ def initialize(
             rebind_optimizer(optimizer, new_of, ctx=ctx)
     if home == ctx.device:  # else FSDP2 moves one unit at a time, sharding it on the way
         model.to(ctx.device)
-    if criterion is not None and isinstance(criterion, nn.Module):
-        criterion.to(ctx.device)
+    return model, optimizer, schedule
+
+
+def _prepare_training(model: nn.Module, optimizer, criterion, ctx: ParallelContext, recompute):
+    """This rank's part of the model, ready to train: replicas made equal, then fp8,
+    activation checkpointing, compile, ZeRO and mixed precision, in the order each needs.
+
+    Returns ``(model, optimizer, criterion, zero runtime or None, autocast dtype or None)``.
+    """
+    cfg = ctx.config
     broadcast_from_first_replica(model, ctx)
     if cfg.fp8 is not None:  # same parameters, float8 matmuls: before compile traces them
         from gridtrain.amp.fp8 import convert_to_fp8
@@ -187,16 +220,4 @@ def initialize(
         criterion = compile_criterion(criterion, cfg.compile, ctx)
     zero = build_zero(model, optimizer, ctx)  # rebinds the optimizer to this rank's rows
     model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx, zero)
-    engine = Engine(
-        model,
-        optimizer,
-        criterion,
-        ctx,
-        schedule,
-        build_grad_sync(model, ctx, zero),  # after amp: buckets are per dtype
-        autocast_dtype=autocast_dtype,
-        lr_scheduler=lr_scheduler,
-        plan=plan,
-        zero=zero,
-    )
-    return engine, train_dataloader, test_dataloader, lr_scheduler
+    return model, optimizer, criterion, zero, autocast_dtype
