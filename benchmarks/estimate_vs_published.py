@@ -11,7 +11,7 @@ Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT models with vocabular
 51,200 and sequence 2048 on Selene (DGX A100 80 GB, NVLink 3, 8 x 200 Gb/s HDR per node),
 mixed precision with fp32 master weights (our ``naive``), activation recomputation, the
 interleaved schedule; 2021's attention kept its scores (our ``attention="math"``) and
-GPT dropout is 0.1. Stages are cut with ``partition="parameters"``: gridtrain's default
+GPT dropout is 0.1. Stages are cut with ``partition="parameters"``, as the paper's are:
 "uniform" counts the embedding and the head as layers, so at 128 blocks over 64 stages
 one stage would get 3 blocks and pace the pipeline at 2/3 of the speed. Their per-GPU throughput is model FLOPs by their Eq. 3,
 ``F = 96 B s l h^2 (1 + s/6h + V/16lh)`` per iteration (recompute included), over time and
