@@ -158,3 +158,13 @@ def test_a_layer_replaced_by_something_else_is_refused_by_name(path, words):
         assert kind == "PlanError", message
         for w in words:
             assert w in message, message
+
+
+def test_unequal_packed_blocks_are_refused_by_name():
+    """Phi-3 with grouped key/value heads: q, k and v differ in width; a config plan asking for
+    equal packed blocks would give each rank the wrong heads."""
+    config = _tensor(2, "1d", plan={"model.layers.*.self_attn.qkv_proj": "packed_colwise"})
+    for kind, message in run_distributed(_initialize_error, 2, "phi3", {}, config=config):
+        assert kind == "PlanError", message
+        for w in ("'model.layers.0.self_attn.qkv_proj'", "4 query heads and 2 + 2", "unequal"):
+            assert w in message, message

@@ -146,12 +146,31 @@ def phi3_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
     if cfg.num_key_value_heads == cfg.num_attention_heads:
         plan[f"{p}layers.*.self_attn.qkv_proj"] = "packed_colwise"
         plan[f"{p}layers.*.self_attn.o_proj"] = "rowwise"
+    else:
+        _refuse_unequal_packing(model, ctx)
     for name, module in model.named_modules():  # the planner reads the block count here
         if name.endswith(".mlp.gate_up_proj"):
             module.gt_packed = 2
         elif name.endswith(".self_attn.qkv_proj"):
             module.gt_packed = 3
     return plan
+
+
+def _refuse_unequal_packing(model: nn.Module, ctx: ParallelContext) -> None:
+    """A config plan must not split a grouped-query ``qkv_proj`` as equal packed blocks."""
+    cfg = model.config
+    given = getattr(ctx.config.parallel.tensor, "plan", None) or {}
+    names = [n for n, _ in model.named_modules() if n.endswith(".self_attn.qkv_proj")]
+    for pattern, style in given.items():
+        hits = [n for n in names if pattern_matches(pattern, n)]
+        if style == "packed_colwise" and hits:
+            kv = cfg.num_key_value_heads
+            raise PlanError(
+                f"'{hits[0]}' packs {cfg.num_attention_heads} query heads and {kv} + {kv} "
+                f"key/value heads: blocks of unequal width, which packed_colwise (equal blocks) "
+                f"would split wrongly; leave it out of parallel.tensor.plan (gridtrain gathers "
+                f"its output) or use num_key_value_heads = num_attention_heads"
+            )
 
 
 def fit_vocab(model: nn.Module, plan: dict[str, str], ctx: ParallelContext) -> dict[str, str]:
