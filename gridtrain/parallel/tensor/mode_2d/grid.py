@@ -206,95 +206,54 @@ def _atb(a: Tensor, b: Tensor, g: SummaGrid) -> Tensor:
     return out
 
 
-# backward re-enters forward's autocast state, so the panels it multiplies agree in dtype
-def _amp_fwd(forward):
-    """Run forward with autocast off, operands cast to the autocast dtype of *their* device
-    (CPU or CUDA alike; torch's custom_fwd takes one device type), remembered for backward."""
+# each form's gradients are the other two forms: form -> (C, dA, dB) of (a, b, dC)
+_FORMS = {
+    "ab": (_ab, lambda a, b, dc, g: _abt(dc, b, g), lambda a, b, dc, g: _atb(a, dc, g)),
+    "abt": (_abt, lambda a, b, dc, g: _ab(dc, b, g), lambda a, b, dc, g: _atb(dc, a, g)),
+    "atb": (_atb, lambda a, b, dc, g: _abt(b, dc, g), lambda a, b, dc, g: _ab(a, dc, g)),
+}
 
-    def wrapped(fctx, a, b, grid):
+
+class _Summa(torch.autograd.Function):
+    """One SUMMA form of ``_FORMS``; only the operands are saved, the panels re-broadcast.
+
+    Forward runs with autocast off, its operands cast to the autocast dtype of *their*
+    device (CPU or CUDA alike; torch's custom_fwd takes one device type); backward then
+    runs in that dtype (the saved operands'), so the panels it multiplies agree.
+    """
+
+    @staticmethod
+    def forward(fctx, a, b, grid, form):
         dev = a.device.type
-        fctx.amp = torch.is_autocast_enabled(dev)
-        if fctx.amp:
+        if torch.is_autocast_enabled(dev):
             dtype = torch.get_autocast_dtype(dev)
             a, b = a.to(dtype), b.to(dtype)
+        fctx.save_for_backward(a, b)
+        fctx.grid, fctx.form = grid, form
         with torch.autocast(dev, enabled=False):
-            return forward(fctx, a, b, grid)
+            return _FORMS[form][0](a, b, grid)
 
-    return wrapped
-
-
-def _amp_bwd(backward):
-    """Backward in forward's dtype (the saved operands'), autocast off."""
-
-    def wrapped(fctx, dc):
-        a, _ = fctx.saved_tensors
+    @staticmethod
+    def backward(fctx, dc):
+        a, b = fctx.saved_tensors
+        _, grad_a, grad_b = _FORMS[fctx.form]
+        dc = dc.to(a.dtype)
         with torch.autocast(dc.device.type, enabled=False):
-            return backward(fctx, dc.to(a.dtype))
-
-    return wrapped
-
-
-class _MatmulAB(torch.autograd.Function):
-    @staticmethod
-    @_amp_fwd
-    def forward(fctx, a, b, grid):
-        fctx.save_for_backward(a, b)
-        fctx.grid = grid
-        return _ab(a, b, grid)
-
-    @staticmethod
-    @_amp_bwd
-    def backward(fctx, dc):
-        a, b = fctx.saved_tensors
-        da = _abt(dc, b, fctx.grid) if fctx.needs_input_grad[0] else None  # dC B^T
-        db = _atb(a, dc, fctx.grid) if fctx.needs_input_grad[1] else None  # A^T dC
-        return da, db, None
-
-
-class _MatmulABT(torch.autograd.Function):
-    @staticmethod
-    @_amp_fwd
-    def forward(fctx, a, b, grid):
-        fctx.save_for_backward(a, b)
-        fctx.grid = grid
-        return _abt(a, b, grid)
-
-    @staticmethod
-    @_amp_bwd
-    def backward(fctx, dc):
-        a, b = fctx.saved_tensors
-        da = _ab(dc, b, fctx.grid) if fctx.needs_input_grad[0] else None  # dC B
-        db = _atb(dc, a, fctx.grid) if fctx.needs_input_grad[1] else None  # dC^T A
-        return da, db, None
-
-
-class _MatmulATB(torch.autograd.Function):
-    @staticmethod
-    @_amp_fwd
-    def forward(fctx, a, b, grid):
-        fctx.save_for_backward(a, b)
-        fctx.grid = grid
-        return _atb(a, b, grid)
-
-    @staticmethod
-    @_amp_bwd
-    def backward(fctx, dc):
-        a, b = fctx.saved_tensors
-        da = _abt(b, dc, fctx.grid) if fctx.needs_input_grad[0] else None  # B dC^T
-        db = _ab(a, dc, fctx.grid) if fctx.needs_input_grad[1] else None  # A dC
-        return da, db, None
+            da = grad_a(a, b, dc, fctx.grid) if fctx.needs_input_grad[0] else None
+            db = grad_b(a, b, dc, fctx.grid) if fctx.needs_input_grad[1] else None
+        return da, db, None, None
 
 
 def matmul_ab(a: Tensor, b: Tensor, grid: SummaGrid) -> Tensor:
     """SUMMA ``C = A B`` on 2-D blocks: this rank passes A_ij, B_ij and gets C_ij."""
-    return _MatmulAB.apply(a, b, grid)
+    return _Summa.apply(a, b, grid, "ab")
 
 
 def matmul_abt(a: Tensor, b: Tensor, grid: SummaGrid) -> Tensor:
     """SUMMA ``C = A B^T`` on 2-D blocks (B blocked like C^T's rows): this rank gets C_ij."""
-    return _MatmulABT.apply(a, b, grid)
+    return _Summa.apply(a, b, grid, "abt")
 
 
 def matmul_atb(a: Tensor, b: Tensor, grid: SummaGrid) -> Tensor:
     """SUMMA ``C = A^T B`` on 2-D blocks (a weight gradient ``X^T dY``): this rank gets C_ij."""
-    return _MatmulATB.apply(a, b, grid)
+    return _Summa.apply(a, b, grid, "atb")

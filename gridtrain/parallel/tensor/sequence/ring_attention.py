@@ -46,6 +46,16 @@ def _span(owner: int, s: int) -> slice:
     return slice(owner * s, (owner + 1) * s)
 
 
+def _ring_blocks(x: Tensor, group):
+    """Each block of ``x``'s ring as it passes this rank, its own first: (the owner's span of
+    the ``S`` positions, the block); every rank holds the next block after each step."""
+    n, r, s = comm.world(group), comm.rank_in(group), x.shape[-2]
+    for i in range(n):
+        yield _span((r - i) % n, s), x
+        if i < n - 1:
+            x = _ring(x, group)
+
+
 # ---- standard variant: the paper's RingQK and RingAV ----------------------------------------
 class RingQK(torch.autograd.Function):
     """``scores[..., owner's block] = q @ k_owner^T``: ``[B,H,s,D] x ring -> [B,H,s,S]``.
@@ -56,13 +66,9 @@ class RingQK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, group) -> Tensor:
-        n, r, s = comm.world(group), comm.rank_in(group), k.shape[-2]
-        out = q.new_empty(q.shape[:-1] + (n * s,))
-        kb = k
-        for i in range(n):
-            out[..., _span((r - i) % n, s)] = q @ kb.transpose(-1, -2)
-            if i < n - 1:
-                kb = _ring(kb, group)
+        out = q.new_empty(q.shape[:-1] + (comm.world(group) * k.shape[-2],))
+        for span, kb in _ring_blocks(k, group):
+            out[..., span] = q @ kb.transpose(-1, -2)
         ctx.save_for_backward(q, k)
         ctx.group = group
         return out
@@ -70,18 +76,12 @@ class RingQK(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k = ctx.saved_tensors
-        group = ctx.group
-        n, r, s = comm.world(group), comm.rank_in(group), k.shape[-2]
         dq = torch.zeros_like(q)
         dk = torch.zeros_like(k)  # the accumulator of the block currently held
-        kb = k
-        for i in range(n):
-            g = grad[..., _span((r - i) % n, s)]
-            dq += g @ kb
-            dk += g.transpose(-1, -2) @ q
-            if i < n - 1:
-                kb = _ring(kb, group)
-            dk = _ring(dk, group)  # n passes in all: back at the block's owner
+        for span, kb in _ring_blocks(k, ctx.group):
+            dq += grad[..., span] @ kb
+            dk += grad[..., span].transpose(-1, -2) @ q
+            dk = _ring(dk, ctx.group)  # n passes in all: back at the block's owner
         return dq, dk, None
 
 
@@ -90,13 +90,9 @@ class RingAV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p: Tensor, v: Tensor, group) -> Tensor:
-        n, r, s = comm.world(group), comm.rank_in(group), v.shape[-2]
         out = p.new_zeros(p.shape[:-1] + (v.shape[-1],))
-        vb = v
-        for i in range(n):
-            out += p[..., _span((r - i) % n, s)] @ vb
-            if i < n - 1:
-                vb = _ring(vb, group)
+        for span, vb in _ring_blocks(v, group):
+            out += p[..., span] @ vb
         ctx.save_for_backward(p, v)
         ctx.group = group
         return out
@@ -104,18 +100,12 @@ class RingAV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         p, v = ctx.saved_tensors
-        group = ctx.group
-        n, r, s = comm.world(group), comm.rank_in(group), v.shape[-2]
         dp = torch.empty_like(p)
-        dv = torch.zeros_like(v)
-        vb = v
-        for i in range(n):
-            span = _span((r - i) % n, s)
+        dv = torch.zeros_like(v)  # the accumulator of the block currently held
+        for span, vb in _ring_blocks(v, ctx.group):
             dp[..., span] = grad @ vb.transpose(-1, -2)
             dv += p[..., span].transpose(-1, -2) @ grad
-            if i < n - 1:
-                vb = _ring(vb, group)
-            dv = _ring(dv, group)
+            dv = _ring(dv, ctx.group)  # n passes in all: back at the block's owner
         return dp, dv, None
 
 
