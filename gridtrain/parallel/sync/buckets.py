@@ -57,7 +57,21 @@ def param_bytes(p: Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-class Bucket:
+class FlatBucket:
+    """A bucket's collective: the flat ``buffer`` it runs on and the ``work`` in flight."""
+
+    buffer: Tensor | None = None
+    work = None
+
+    def wait(self) -> None:
+        """Wait for the collective that ``launch`` started (``finish`` begins with it)."""
+        if self.buffer is None:
+            raise RuntimeError(f"{type(self).__name__}.finish() called before launch()")
+        if self.work is not None:
+            self.work.wait()
+
+
+class Bucket(FlatBucket):
     """Parameters whose gradients are averaged together over one process group."""
 
     def __init__(self, mode: ParallelMode, params: list[Tensor], ctx: ParallelContext):
@@ -65,8 +79,6 @@ class Bucket:
         self.params = params
         self.group = ctx.group(mode)
         self.world = ctx.world_size(mode)
-        self.buffer: Tensor | None = None
-        self.work = None
 
     @torch.no_grad()
     def launch(self, async_op: bool) -> None:
@@ -84,10 +96,7 @@ class Bucket:
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for the reduction and write the averaged gradients back into ``.grad``."""
-        if self.buffer is None:
-            raise RuntimeError("Bucket.finish() called before launch()")
-        if self.work is not None:
-            self.work.wait()
+        self.wait()
         offset = 0
         for p in self.params:
             mean = self.buffer[offset : offset + p.numel()].view_as(p)

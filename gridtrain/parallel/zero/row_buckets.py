@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sync.buckets import group_buckets, param_bytes
+from gridtrain.parallel.sync.buckets import FlatBucket, group_buckets, param_bytes
 from gridtrain.parallel.tags import is_pipeline_shared
 from gridtrain.parallel.zero.rows import (
     all_gather_single,
@@ -66,7 +66,7 @@ def chunks_to_rows(src: Tensor, dst: Tensor, s: RowShard) -> None:
         dst[full * s.chunk :].copy_(src[full, :rem])
 
 
-class RowBucket:
+class RowBucket(FlatBucket):
     """Shards of one data-parallel group and dtype whose rows travel in one collective.
 
     One rank's segment holds, per shard, a chunk of ``chunk`` rows (zero-padded); the
@@ -86,8 +86,6 @@ class RowBucket:
         for s in shards:
             self.offsets.append(self.segment)
             self.segment += s.padded
-        self.buffer: Tensor | None = None
-        self.work = None
 
     @property
     def params(self) -> list[Tensor]:
@@ -122,10 +120,7 @@ class RowBucket:
     @torch.no_grad()
     def finish(self) -> None:
         """Wait; each master's gradient becomes its rows of the mean (a view when dtypes agree)."""
-        if self.buffer is None:
-            raise RuntimeError("RowBucket.finish() called before launch()")
-        if self.work is not None:
-            self.work.wait()
+        self.wait()
         for s, off in zip(self.shards, self.offsets):
             if self.n == 1:
                 g = s.param.grad

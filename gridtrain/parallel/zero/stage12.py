@@ -142,12 +142,3 @@ def _owned_state(state: dict, p: Tensor, shard: RowShard) -> dict:
             value = value[shard.lo : shard.hi].clone().to(shard.master.device)
         out[key] = value
     return out
-
-
-def _owned_state(state: dict, p: Tensor, shard: RowShard) -> dict:
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape == p.shape:
-            value = value[shard.lo : shard.hi].clone().to(shard.master.device)
-        out[key] = value
-    return out
