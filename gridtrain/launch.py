@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain import failure_record
-from gridtrain.config import Config, ConfigError
-from gridtrain.config_sections import MAX_SEED, MAX_TIMEOUT_S, quote
+from gridtrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, ConfigError, quote
 from gridtrain.parallel.context import ParallelContext, set_context
 from gridtrain.parallel.gloo_threads import wait_for_idle_workers
 from gridtrain.parallel.random import seed_everything

@@ -15,8 +15,7 @@ import pytest
 import gridtrain as gt
 from gridtrain.amp import AMP_TYPE
 from gridtrain.cli.main import main
-from gridtrain.config import HANDLER_KWARGS
-from gridtrain.config_names import STYLES
+from gridtrain.config import HANDLER_KWARGS, STYLES
 from gridtrain.gradient_handlers import handler_class
 
 HAVE_APEX = importlib.util.find_spec("apex") is not None
@@ -201,7 +200,9 @@ def test_the_kwargs_table_matches_each_handler_signature(name):
         if p.name not in ("self", "model", "ctx")
         and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     )
-    assert named == HANDLER_KWARGS[name], f"update config_sections.HANDLER_KWARGS for {name}"
+    assert named == HANDLER_KWARGS[name], (
+        f"update HANDLER_KWARGS (gridtrain/config/gradient_handlers.py) for {name}"
+    )
 
 
 # ---- apex ----------------------------------------------------------------------------------

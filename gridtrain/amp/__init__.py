@@ -9,7 +9,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gridtrain.amp.optimizer import AmpOptimizer
-from gridtrain.config_names import AMP_TYPE
+from gridtrain.config import AMP_TYPE
 
 logger = logging.getLogger("gridtrain")
 

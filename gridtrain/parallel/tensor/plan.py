@@ -1,6 +1,6 @@
 """The tensor-parallel plan's data model: layer kinds, styles, the plan and its printing.
 
-A plan maps module paths to styles (``config_names.STYLES``). It comes from, in order
+A plan maps module paths to styles (``gridtrain.config.STYLES``). It comes from, in order
 of precedence, the config (``parallel.tensor.plan``: patterns such as
 ``"blocks.*.attn.qkv"``, ``*`` standing for one name part, as in Hugging
 Face's ``tp_plan``), hints on ``gt.nn`` layers (``gt.nn.Linear(split="row")``),
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from gridtrain.config_names import STYLES
+from gridtrain.config import STYLES
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind

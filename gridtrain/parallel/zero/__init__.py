@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.optim import Optimizer
 
-from gridtrain.config import ConfigError
+from gridtrain.config import AMP_TYPE, ConfigError
 from gridtrain.parallel.context import ParallelContext
 
 if TYPE_CHECKING:
@@ -42,8 +42,6 @@ def build_zero(
     cfg = ctx.config.zero
     if cfg is None:
         return None
-    from gridtrain.config_names import AMP_TYPE
-
     fp16 = ctx.config.fp16
     amp = AMP_TYPE(fp16.mode) if fp16 is not None and fp16.mode is not None else None
     if amp is AMP_TYPE.APEX:

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from gridtrain.config_names import AMP_TYPE
+from gridtrain.config import AMP_TYPE
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer

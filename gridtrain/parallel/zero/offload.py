@@ -43,8 +43,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map
 
-from gridtrain.config import ConfigError
-from gridtrain.config_names import AMP_TYPE
+from gridtrain.config import AMP_TYPE, ConfigError
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer

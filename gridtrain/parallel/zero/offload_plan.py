@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from gridtrain.config_names import AMP_TYPE
+from gridtrain.config import AMP_TYPE
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tags import get_dp_mode
 

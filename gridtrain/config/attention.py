@@ -1,0 +1,23 @@
+"""``attention``: which fused kernels ``scaled_dot_product_attention`` may use inside the
+engine's forwards (``gridtrain.engine.sdpa``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gridtrain.config.section import Section
+
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+class AttentionConfig(Section):
+    """``attention``: which fused attention kernels ``scaled_dot_product_attention`` may use
+    (``gridtrain.engine.sdpa``), in order of preference."""
+
+    backends: list[Literal[SDPA_BACKENDS]] = Field(
+        min_length=1,
+        description=f"kernels to allow, first preferred, from {list(SDPA_BACKENDS)}; cuDNN "
+        "first is fastest on Hopper",
+    )

@@ -1,0 +1,96 @@
+"""``parallel.tensor``: how each model replica's layers are split, and the plan styles a
+config may name.
+
+The styles are defined here, at the config level, so the schema validates a plan without
+importing the planner that applies them (``gridtrain.parallel.tensor.plan`` reads
+``STYLES``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gridtrain.config.errors import quote, unknown
+from gridtrain.config.limits import Count
+from gridtrain.config.section import Section
+
+TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+
+# the layer styles a tensor-parallel plan may name (the Hugging Face ``tp_plan`` vocabulary,
+# plus gridtrain's own), each with what it does
+STYLES = {
+    "colwise": "Linear: output features split (output stays sharded); on an Embedding: the "
+    "embedding dim split",
+    "rowwise": "Linear: input features split, partial products all-reduced (replicated output)",
+    "colwise_gather_output": "Linear: output features split, then all-gathered (replicated output)",
+    "rowwise_split_input": "Linear: row-parallel on a replicated input (each rank cuts its slice)",
+    "packed_colwise": "Linear/Conv1D whose output packs several equal blocks (fused q/k/v, "
+    "gate/up): each block split column-wise, so every rank keeps whole heads of each",
+    "embedding_rowwise": "Embedding: vocabulary split, partial rows all-reduced",
+    "embedding_colwise": "Embedding: embedding dim split, output all-gathered",
+    "vocab_parallel": "output Linear (LM head, classifier): logits stay sharded over the "
+    "classes; pair with gt.nn.CrossEntropyLoss",
+    "gather_output": "output Linear (LM head, classifier): full logits on every rank "
+    "(2d/2.5d/3d: the mode's Classifier)",
+    "norm": "LayerNorm / RMSNorm over the last dim, in the mode's layout",
+    "auto": "the mode's own layer (2d/2.5d/3d: every Linear is a SUMMA / cube Linear)",
+    "replicate": "leave the module as it is (every rank holds it whole)",
+}
+
+
+class TensorConfig(Section):
+    """``parallel.tensor``: how each model replica's layers are split."""
+
+    size: Count = Field(1, description="processes in one tensor-parallel group")
+    mode: Literal[TENSOR_MODES] | None = Field(
+        None, description="tensor-parallel algorithm; None means no tensor parallelism"
+    )
+    depth: Count = Field(1, description="2.5d only: number of q x q layers")
+    ring_attention: Literal["standard", "online"] = Field(
+        "standard",
+        description="sequence only: 'standard' keeps S x S/N scores, 'online' uses online softmax",
+    )
+    plan: dict[str, str] | None = Field(
+        None,
+        description="module-name pattern -> style (gridtrain.config.STYLES); "
+        "None: the model's own plan or one traced from the data flow",
+    )
+
+    @field_validator("plan")
+    @classmethod
+    def _known_styles(cls, plan: dict[str, str] | None) -> dict[str, str] | None:
+        for pattern, style in (plan or {}).items():
+            if not pattern:
+                raise ValueError("a plan pattern must not be empty")
+            if style not in STYLES:
+                what = f"plan pattern {quote(pattern)} names unknown style"
+                raise ValueError(unknown(what, style, STYLES))
+        return plan
+
+    @model_validator(mode="after")
+    def _layout(self) -> TensorConfig:
+        """The sizes each mode's grid needs, checked before any process group exists."""
+        size, mode, depth = self.size, self.mode, self.depth
+        if mode is None and size > 1:
+            raise ValueError(f"tensor size {size} needs a mode, one of {', '.join(TENSOR_MODES)}")
+        if depth != 1 and mode != "2.5d":
+            raise ValueError(f"tensor depth {depth} is only used by mode '2.5d', got mode {mode!r}")
+        if "ring_attention" in self.model_fields_set and mode != "sequence":
+            raise ValueError(
+                f"ring_attention={self.ring_attention!r} is only used by mode 'sequence', "
+                f"got mode {mode!r}; remove it or set mode='sequence'"
+            )
+        if mode == "2d" and math.isqrt(size) ** 2 != size:
+            raise ValueError(f"2d needs a square tensor size, got {size}")
+        if mode == "2.5d":
+            q2, rest = divmod(size, depth)
+            if rest or math.isqrt(q2) ** 2 != q2:
+                raise ValueError(
+                    f"2.5d needs tensor size = depth x q^2, got size {size} with depth {depth}"
+                )
+        if mode == "3d" and round(size ** (1 / 3)) ** 3 != size:
+            raise ValueError(f"3d needs a cubic tensor size (1, 8, 27, ...), got {size}")
+        return self
