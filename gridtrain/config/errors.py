@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import reprlib
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,7 +30,7 @@ def quote(value: Any) -> str:
     return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "..."
 
 
-def closest(word: Any, allowed: Any) -> str | None:
+def closest(word: Any, allowed: Iterable[str]) -> str | None:
     """The allowed name closest to ``word``, if one is close enough to be a misspelling.
 
     Only the first ``QUOTE_CHARS`` characters are compared, so a huge value stays fast.
@@ -38,13 +39,13 @@ def closest(word: Any, allowed: Any) -> str | None:
     return close[0] if close else None
 
 
-def did_you_mean(word: Any, allowed: Any) -> str:
+def did_you_mean(word: Any, allowed: Iterable[str]) -> str:
     """`` — did you mean 'x'?`` for the closest allowed name, or nothing."""
     close = closest(word, allowed)
     return f" — did you mean '{close}'?" if close else ""
 
 
-def unknown(what: str, name: Any, allowed: Any) -> str:
+def unknown(what: str, name: Any, allowed: Iterable[str]) -> str:
     """``what`` followed by the refused name, the closest allowed one and all of them, e.g.
     ``unknown key 'paralel' — did you mean 'parallel'? (allowed: ...)``."""
     allowed = list(allowed)
