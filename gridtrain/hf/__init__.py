@@ -8,8 +8,9 @@ pretrained weights in and out of any layout.
     loss = engine.criterion(out.logits.reshape(-1, V), labels.reshape(-1))  # labels shifted
     gridtrain.hf.save_pretrained(engine.model, "out_dir")  # transformers' from_pretrained loads it
 
-``gt.initialize`` calls this package for any ``transformers`` model (the model
-adapter of ``parallel/tensor/plan.py``): ``plan_model`` gives the tensor plan
+``gt.initialize`` hands this package to the planner for any ``transformers`` model
+(``gridtrain.adapters.adapter_for``; the interface is ``parallel.tensor.plan.ModelAdapter``):
+``plan_model`` gives the tensor plan
 (``plans.py``: gridtrain's for GPT-2 and Phi-3, the model's own ``_tp_plan`` for the
 Llama family, head checks) and checks what replaced layers must keep computing
 (``families.py``: Gemma's scaled embedding and ``1 + weight`` norms; anything else is
