@@ -48,119 +48,136 @@ class InterleavedPipelineSchedule(PipelineSchedule):
         return chunk if forward else v - chunk - 1
 
     def _run(self, forward_only: bool) -> None:
-        p, v, stage = self.num_stages, self.num_chunks, self.stage
-        total = self.num_microbatches * v
-        first_rank, last_rank = stage == 0, stage == p - 1
-        all_warmup = False
+        run = _InterleavedRun(self, forward_only)
+        run.warmup()
+        run.steady()
+        if not forward_only:
+            run.cooldown()
+
+
+class _InterleavedRun:
+    """One step of the interleaved schedule: per-chunk queues of inputs, outputs and output
+    gradients, and the three phases (warm-up forwards, 1F1B, cool-down backwards)."""
+
+    def __init__(self, schedule: InterleavedPipelineSchedule, forward_only: bool):
+        self.s = schedule
+        p, v, stage = schedule.num_stages, schedule.num_chunks, schedule.stage
+        self.p, self.v = p, v
+        self.total = schedule.num_microbatches * v
+        self.first_rank, self.last_rank = stage == 0, stage == p - 1
+        self.forward_only = forward_only
+        self.all_warmup = False
         if forward_only:
-            warmup = total
-        elif self.num_microbatches == p:
-            warmup, all_warmup = total, True
+            self.warmups = self.total
+        elif schedule.num_microbatches == p:
+            self.warmups, self.all_warmup = self.total, True
         else:
-            warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
-        remaining = total - warmup
-        inputs: list[list[Payload]] = [[] for _ in range(v)]
-        outputs: list[list[Payload]] = [[] for _ in range(v)]
-        grads: list[list[Payload]] = [[] for _ in range(v)]
+            self.warmups = min((p - stage - 1) * 2 + (v - 1) * p, self.total)
+        self.remaining = self.total - self.warmups
+        self.inputs: list[list[Payload]] = [[] for _ in range(v)]
+        self.outputs: list[list[Payload]] = [[] for _ in range(v)]
+        self.grads: list[list[Payload]] = [[] for _ in range(v)]
 
-        def like(chunk: int) -> Payload:  # the output whose gradient arrives next for chunk
-            return outputs[chunk][len(grads[chunk])]
+    def like(self, chunk: int) -> Payload:
+        """The output whose gradient arrives next for ``chunk`` (its shape is received)."""
+        return self.outputs[chunk][len(self.grads[chunk])]
 
-        def forward(k: int) -> Payload:
-            chunk = self._chunk_id(k, forward=True)
-            if self._is_first(chunk) and len(inputs[chunk]) == len(outputs[chunk]):
-                inputs[chunk].append(None)
-            y = self._forward(inputs[chunk][-1], chunk)
-            outputs[chunk].append(y)
-            return y
+    def chunk_of(self, k: int, forward: bool) -> int:
+        return self.s._chunk_id(k, forward)
 
-        def backward(k: int, final: bool) -> Payload:
-            chunk = self._chunk_id(k, forward=False)
-            if self._is_last(chunk) and not grads[chunk]:
-                grads[chunk].append(None)
-            x, y, g = inputs[chunk].pop(0), outputs[chunk].pop(0), grads[chunk].pop(0)
-            return self._backward(x, y, g, final=final)
+    def forward(self, k: int) -> Payload:
+        chunk = self.chunk_of(k, forward=True)
+        if self.s._is_first(chunk) and len(self.inputs[chunk]) == len(self.outputs[chunk]):
+            self.inputs[chunk].append(None)
+        y = self.s._forward(self.inputs[chunk][-1], chunk)
+        self.outputs[chunk].append(y)
+        return None if self.s._is_last(chunk) else y
 
-        def comm(fwd_chunk: int = 0, next_fwd: int = 0, **kw) -> tuple[Payload, Payload]:
-            # the activation streams: out of fwd_chunk, into next_fwd (shapes once a step)
-            return self.p2p.communicate(
-                send_key=self._send_key(fwd_chunk), recv_key=self._recv_key(next_fwd), **kw
-            )
+    def backward(self, k: int, final: bool) -> Payload:
+        chunk = self.chunk_of(k, forward=False)
+        if self.s._is_last(chunk) and not self.grads[chunk]:
+            self.grads[chunk].append(None)
+        x, y = self.inputs[chunk].pop(0), self.outputs[chunk].pop(0)
+        grad_x = self.s._backward(x, y, self.grads[chunk].pop(0), final=final)
+        return None if self.s._is_first(chunk) else grad_x
 
-        inputs[0].append(None if first_rank else comm(recv_prev=True)[0])
-        for k in range(warmup):
-            y = forward(k)
-            chunk = self._chunk_id(k, forward=True)
-            next_chunk = self._chunk_id(k + 1, forward=True)
-            recv_prev = not (first_rank and next_chunk == 0) and k != total - 1
-            if self._is_last(chunk):
-                y = None
-            if k == warmup - 1 and not forward_only and not all_warmup:
-                recv_next = not last_rank
-                x, g = comm(
-                    chunk,
-                    next_chunk,
-                    send_next=y,
-                    recv_prev=recv_prev,
-                    recv_next_like=like(v - 1) if recv_next else None,
+    def comm(self, fwd_chunk: int = 0, next_fwd: int = 0, **kw) -> tuple[Payload, Payload]:
+        """The activation streams: out of ``fwd_chunk``, into ``next_fwd`` (shapes once a step)."""
+        return self.s.p2p.communicate(
+            send_key=self.s._send_key(fwd_chunk), recv_key=self.s._recv_key(next_fwd), **kw
+        )
+
+    def warmup(self) -> None:
+        v, total = self.v, self.total
+        self.inputs[0].append(None if self.first_rank else self.comm(recv_prev=True)[0])
+        for k in range(self.warmups):
+            y = self.forward(k)
+            chunk, next_chunk = self.chunk_of(k, True), self.chunk_of(k + 1, True)
+            recv_prev = not (self.first_rank and next_chunk == 0) and k != total - 1
+            last_warmup = k == self.warmups - 1 and not self.forward_only
+            if last_warmup and not self.all_warmup:
+                recv_next = not self.last_rank
+                like = self.like(v - 1) if recv_next else None
+                x, g = self.comm(
+                    chunk, next_chunk, send_next=y, recv_prev=recv_prev, recv_next_like=like
                 )
                 if recv_next:
-                    grads[v - 1].append(g)
+                    self.grads[v - 1].append(g)
             else:
-                x = comm(chunk, next_chunk, send_next=y, recv_prev=recv_prev)[0]
+                x = self.comm(chunk, next_chunk, send_next=y, recv_prev=recv_prev)[0]
             if recv_prev:
-                inputs[next_chunk].append(x)
+                self.inputs[next_chunk].append(x)
 
-        for k in range(remaining):
-            fk, bk = k + warmup, k
-            y = forward(fk)
-            grad_x = backward(bk, final=False)
-            chunk = self._chunk_id(fk, forward=True)
-            if self._is_last(chunk):
-                y = None
-            if self._is_first(self._chunk_id(bk, forward=False)):
-                grad_x = None
-            recv_prev = True
-            if first_rank:  # the first stage is P - 1 micro-batches ahead of the last
-                next_fwd = self._chunk_id(fk - (p - 1), forward=True)
-                recv_prev = next_fwd != v - 1
-                next_fwd += 1
-            else:
-                next_fwd = self._chunk_id(fk + 1, forward=True)
-            recv_next = True
-            if last_rank:
-                next_bwd = self._chunk_id(bk - (p - 1), forward=False)
-                recv_next = next_bwd != 0
-                next_bwd -= 1
-            else:
-                next_bwd = self._chunk_id(bk + 1, forward=False)
-            if k == remaining - 1:
-                recv_prev = False
-            x, g = comm(
-                chunk,
+    def _next_chunks(self, fk: int, bk: int) -> tuple[int, bool, int, bool]:
+        """(next forward chunk, receive it?, next backward chunk, receive it?) after 1F1B step."""
+        p, v = self.p, self.v
+        recv_prev = recv_next = True
+        if self.first_rank:  # the first stage is P - 1 micro-batches ahead of the last
+            next_fwd = self.chunk_of(fk - (p - 1), True)
+            recv_prev = next_fwd != v - 1
+            next_fwd += 1
+        else:
+            next_fwd = self.chunk_of(fk + 1, True)
+        if self.last_rank:
+            next_bwd = self.chunk_of(bk - (p - 1), False)
+            recv_next = next_bwd != 0
+            next_bwd -= 1
+        else:
+            next_bwd = self.chunk_of(bk + 1, False)
+        return next_fwd, recv_prev, next_bwd, recv_next
+
+    def steady(self) -> None:
+        for k in range(self.remaining):
+            fk, bk = k + self.warmups, k
+            y = self.forward(fk)
+            grad_x = self.backward(bk, final=False)
+            next_fwd, recv_prev, next_bwd, recv_next = self._next_chunks(fk, bk)
+            recv_prev = recv_prev and k != self.remaining - 1
+            x, g = self.comm(
+                self.chunk_of(fk, True),
                 next_fwd,
                 send_next=y,
                 send_prev=grad_x,
                 recv_prev=recv_prev,
-                recv_next_like=like(next_bwd) if recv_next else None,
+                recv_next_like=self.like(next_bwd) if recv_next else None,
             )
             if recv_prev:
-                inputs[next_fwd].append(x)
+                self.inputs[next_fwd].append(x)
             if recv_next:
-                grads[next_bwd].append(g)
+                self.grads[next_bwd].append(g)
 
-        if forward_only:
-            return
-        if all_warmup:
-            grads[v - 1].append(None if last_rank else comm(recv_next_like=like(v - 1))[1])
-        for k in range(remaining, total):
-            grad_x = backward(k, final=k == total - 1)
-            if self._is_first(self._chunk_id(k, forward=False)):
-                grad_x = None
-            next_bwd = self._chunk_id(k + 1, forward=False)
-            recv_next = not (last_rank and next_bwd == v - 1) and k != total - 1
-            g = comm(send_prev=grad_x, recv_next_like=like(next_bwd) if recv_next else None)[1]
-            grads[next_bwd].append(g)
+    def cooldown(self) -> None:
+        v, total = self.v, self.total
+        if self.all_warmup:
+            g = None if self.last_rank else self.comm(recv_next_like=self.like(v - 1))[1]
+            self.grads[v - 1].append(g)
+        for k in range(self.remaining, total):
+            grad_x = self.backward(k, final=k == total - 1)
+            next_bwd = self.chunk_of(k + 1, False)
+            recv_next = not (self.last_rank and next_bwd == v - 1) and k != total - 1
+            like = self.like(next_bwd) if recv_next else None
+            g = self.comm(send_prev=grad_x, recv_next_like=like)[1]
+            self.grads[next_bwd].append(g)
 
 
 def check_interleaved(num_microbatches: int, pipeline_size: int, num_chunks: int) -> None:
