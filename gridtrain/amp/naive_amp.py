@@ -8,6 +8,7 @@ the masters are copied back into the fp16 model.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -29,7 +30,10 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, tuple | list):
         return type(obj)(_cast_floats(o, dtype) for o in obj)
     if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        out = copy.copy(obj)  # the mapping's own type: a transformers ModelOutput stays one
+        for k, v in obj.items():
+            out[k] = _cast_floats(v, dtype)
+        return out
     return obj
 
 

@@ -36,6 +36,7 @@ from gridtrain.hf.weights import (
     local_runs,
 )
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.dense_state import held_rows, load_local, load_rows
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import unwrap
 
@@ -80,8 +81,24 @@ def load_pretrained(
         for e, key, name in plan:
             if name not in files:
                 files[name] = stack.enter_context(safe_open(str(directory / name), "pt"))
-            e.tensor.copy_(_read(files[name], key, local_runs(e, ctx)).to(e.tensor.dtype))
+            _load_entry(e, files[name], key, ctx)
     recompute_all_rotary(model)
+
+
+def _load_entry(e: Entry, f, key: str, ctx: ParallelContext | None) -> None:
+    """Read this rank's slice of ``key`` into ``e``'s tensor through the dense-state path:
+    only its rows where it holds rows (ZeRO 3, Gemini), else its tensor-parallel shard, which
+    the tensor and its master (naive fp16, ZeRO 1-2) each keep their part of."""
+    rows = held_rows(e.tensor, ctx) if ctx is not None else None
+    if rows is not None:
+        if rows[1] > rows[0]:  # a rank may own no rows of a small tensor
+            load_rows(e.tensor, _read(f, key, local_runs(e, ctx, rows)))
+        return
+    full = _read(f, key, local_runs(e, ctx))
+    if ctx is None:  # no layout: a plain model
+        e.tensor.copy_(full)
+    else:
+        load_local(e.tensor, full, ctx)
 
 
 def _check(mine: list[Entry], tied, where: dict[str, str], directory: Path):

@@ -4,10 +4,16 @@ Every rank calls it. The dense tensors are cut into files of at most
 ``max_shard_size`` bytes (HF's names: ``model.safetensors``, or
 ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``); a file
 only holds tensors of one pipeline stage, and its writer is one rank of that stage's
-first data-parallel replica (files go round the tensor ranks). For each tensor the
-tensor group rebuilds the dense tensor from its shards (``full_tensor``, one tensor at
-a time) and the writer streams it to disk, so no rank ever holds more than one dense
-tensor, never the model.
+first data-parallel replica (files go round the tensor ranks). Each tensor's dense value
+comes from the one dense-state path (``dense_state.dense_value``: tensor-parallel shards,
+ZeRO rows, FSDP2's DTensors, Gemini's rows, naive fp16's fp32 masters), one tensor at a
+time, every rank of the stage joining its gathers, and the writer streams it to disk: no
+rank ever holds more than one dense tensor, never the model.
+
+Every file appears complete or not at all: it is written under a temporary name of ours
+beside it (``engine/checkpoint/files``: the next save removes one a crash left behind),
+synced and renamed over its target; weight files of an earlier save that the new one does
+not list are removed only once the new ones are in place.
 
 The file is written by hand because ``safetensors.torch.save_file`` needs every tensor
 of a file in memory at once; the format is an 8-byte header length, a JSON header
@@ -17,11 +23,14 @@ raw little-endian bytes. ``safetensors.safe_open`` and ``transformers`` read it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import re
 import struct
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gridtrain.engine.checkpoint import files as ckpt_files
 from gridtrain.hf.weights import DTYPES, Entry, current, entries, gather_objects, hf_config, world
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.dense_state import dense_value
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import full_tensor
-from gridtrain.parallel.tags import get_shard_spec
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -54,21 +63,21 @@ def save_pretrained(
     limit = parse_size(max_shard_size)
     mine, _ = entries(model, ctx)
     stage = ctx.local_rank(ParallelMode.PIPELINE) if ctx is not None else 0
-    meta = [(e.key, e.shape, str(e.tensor.dtype), e.tie, e.nbytes) for e in mine]
+    meta = [(e.key, e.shape, str(e.dtype), e.tie, e.nbytes) for e in mine]
     stages = gather_objects(meta, ctx, ParallelMode.PIPELINE)
     files = plan_files(stages, limit)
     if _rank(ctx) == 0:
         directory.mkdir(parents=True, exist_ok=True)
-        _remove_stale(directory)
+        ckpt_files.clean_stale(directory)  # temporaries an interrupted save left
     _barrier(ctx)
     by_key = {e.key: e for e in mine}
     for index, (name, file_stage, keys) in enumerate(files):
-        if file_stage == stage and _in_first_replica(ctx):
-            writer = _writer_rank(ctx, index)
-            _write_file(directory / name, keys, by_key, stages[file_stage], ctx, writer)
+        if file_stage == stage:  # every rank of the stage: ZeRO and FSDP2 gather over DATA
+            _write_file(directory / name, keys, by_key, stages[file_stage], ctx, index)
     _barrier(ctx)
     if _rank(ctx) == 0:
         _write_index(directory, files, stages)
+        _remove_stale(directory, [name for name, _, _ in files])
         _write_config(directory, config, model, stages)
     _barrier(ctx)
     return [name for name, _, _ in files]
@@ -111,24 +120,37 @@ def plan_files(stages: list[list[tuple]], limit: int) -> list[tuple[str, int, li
     return [(name, stage, keys) for name, (stage, keys, _) in zip(names, files, strict=True)]
 
 
-def _write_file(path: Path, keys, by_key: dict[str, Entry], meta, ctx, writer: int) -> None:
+def _write_file(path: Path, keys, by_key: dict[str, Entry], meta, ctx, index: int) -> None:
+    """Stream the dense tensors of ``keys`` into ``path`` (file ``index``): every rank of the
+    stage gathers each in turn, the file's writer writes it."""
     info = {key: (shape, dtype) for key, shape, dtype, _, _ in meta}
-    me = _rank(ctx) == writer
-    out = open(path, "wb") if me else None  # noqa: SIM115 - closed below, written tensor by tensor
-    try:
+    writing = _writes(ctx, index)
+    with atomic_file(path) if writing else contextlib.nullcontext() as out:
         if out is not None:
             out.write(_header(keys, info))
         for key in keys:
-            e = by_key[key]
-            spec = get_shard_spec(e.tensor) if ctx is not None else ()
-            dense = full_tensor(e.tensor.detach(), spec, ctx) if spec else e.tensor.detach()
+            dense = dense_value(by_key[key].tensor, ctx)
             if out is not None:
-                data = dense.cpu().contiguous().reshape(-1).view(torch.uint8)
-                out.write(data.numpy().tobytes())
+                out.write(dense.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             del dense
-    finally:
-        if out is not None:
-            out.close()
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator:
+    """A binary file that appears at ``path`` only once complete: written under a temporary
+    name of ours beside it (``files.temp_prefix``: a later save's ``clean_stale`` removes it
+    if this process dies), synced, then renamed over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=ckpt_files.temp_prefix(path))
+    try:
+        with os.fdopen(fd, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    ckpt_files.fsync_dir(path.parent)
 
 
 def _header(keys: list[str], info: dict[str, tuple]) -> bytes:
@@ -156,7 +178,8 @@ def _write_index(directory: Path, files, stages) -> None:
     weight_map = {key: name for name, _, keys in files for key in keys}
     total = sum(sizes[k] for k in weight_map)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    with atomic_file(directory / INDEX) as out:
+        out.write((json.dumps(index, indent=2) + "\n").encode())
 
 
 def _write_config(directory: Path, config, model: nn.Module, stages) -> None:
@@ -169,13 +192,27 @@ def _write_config(directory: Path, config, model: nn.Module, stages) -> None:
         config.dtype = getattr(torch, floats[0].removeprefix("torch."))
     if getattr(config, "_attn_implementation_internal", None) == "gridtrain_ring":
         config._attn_implementation_internal = None  # a runtime choice of gridtrain's, not saved
-    config.save_pretrained(directory)
+    # transformers' own writer, into a temporary directory of ours, then renamed file by file
+    prefix = ckpt_files.temp_prefix(directory / "config.json")
+    tmp = Path(tempfile.mkdtemp(dir=directory, prefix=prefix))
+    try:
+        config.save_pretrained(tmp)
+        for path in tmp.iterdir():
+            os.replace(path, directory / path.name)
+        ckpt_files.fsync_dir(directory)
+    finally:
+        ckpt_files.remove_entry(tmp)
 
 
-def _remove_stale(directory: Path) -> None:
-    """Weight files of an earlier save into the same directory would confuse loaders."""
+def _remove_stale(directory: Path, written: list[str]) -> None:
+    """Weight files of an earlier save into the same directory would confuse loaders (a
+    single ``model.safetensors`` is read before an index)."""
+    keep = {*written, INDEX} if len(written) > 1 else set(written)
     for path in directory.iterdir():
-        if path.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", path.name):
+        ours = path.name == INDEX or re.fullmatch(
+            r"model(-\d{5}-of-\d{5})?\.safetensors", path.name
+        )
+        if ours and path.name not in keep:
             path.unlink()
 
 
@@ -188,21 +225,13 @@ def _barrier(ctx: ParallelContext | None) -> None:
         dist.barrier(group=ctx.group(ParallelMode.GLOBAL))
 
 
-def _in_first_replica(ctx: ParallelContext | None) -> bool:
-    if ctx is None:
+def _writes(ctx: ParallelContext | None, index: int) -> bool:
+    """Whether this rank writes file ``index`` of its stage: one rank of the stage's first
+    replica, going round the tensor ranks."""
+    if ctx is None or world(ctx) == 1:
         return True
     first = ctx.local_rank(ParallelMode.DATA) == 0
     if ctx.tensor_mode == "sequence":  # sequence ranks are replicas of the weights too
-        first = first and ctx.local_rank(ParallelMode.SEQUENCE) == 0
-    return first
-
-
-def _writer_rank(ctx: ParallelContext | None, index: int) -> int:
-    """The global rank writing file ``index``: this stage's first replica, round the tensor
-    ranks (their shards are gathered by the whole tensor group)."""
-    if ctx is None or world(ctx) == 1:
-        return 0
-    ranks = ctx.ranks(ParallelMode.TENSOR)
-    if ctx.tensor_mode == "sequence":
-        return ranks[0]
-    return ranks[index % len(ranks)]
+        return first and ctx.local_rank(ParallelMode.SEQUENCE) == 0
+    tensor = ctx.world_size(ParallelMode.TENSOR)
+    return first and ctx.local_rank(ParallelMode.TENSOR) == index % tensor

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gridtrain.parallel.context import ParallelContext, get_context, has_context
+from gridtrain.parallel.dense_state import dense_dtype
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import cut, dense_items, dense_shape, unwrap
 from gridtrain.parallel.tags import get_shard_spec, is_pipeline_shared, pipeline_tie
@@ -36,13 +37,14 @@ class Entry:
     """One dense tensor of the model as this rank holds it."""
 
     key: str
-    tensor: Tensor  # this rank's shard
+    tensor: Tensor  # this rank's part: a tensor-parallel shard, ZeRO rows, a DTensor
     shape: tuple[int, ...]  # dense shape
+    dtype: torch.dtype  # dense dtype: the master's where the optimizer steps an fp32 copy
     tie: int | None  # pipeline tie index (the same dense tensor on the first and last stage)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.tensor.element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def current(ctx: ParallelContext | None) -> ParallelContext | None:
@@ -65,7 +67,7 @@ def entries(model: nn.Module, ctx: ParallelContext | None) -> tuple[list[Entry],
         seen[id(t)] = key
         shape = dense_shape(t, ctx) if ctx is not None else tuple(t.shape)
         tie = pipeline_tie(t) if is_pipeline_shared(t) else None
-        out.append(Entry(key, t, tuple(shape), tie))
+        out.append(Entry(key, t, tuple(shape), dense_dtype(t), tie))
     return out, aliases
 
 
@@ -80,15 +82,20 @@ def hf_config(model: nn.Module):
     return cfg
 
 
-def index_runs(length: int, splits: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+def index_runs(
+    length: int, splits: list[tuple[int, int, int]], rows: tuple[int, int] | None = None
+) -> list[tuple[int, int]]:
     """``[start, stop)`` runs of the dense indices a rank holds along one dim.
 
     ``splits``: ``(n, rank, parts)`` cuts applied in order, as ``sharding.shard_tensor``
-    cuts (packed blocks give one run per block).
+    cuts (packed blocks give one run per block); ``rows``: then only positions
+    ``[lo, hi)`` of what the cuts keep (a rank's ZeRO rows of its shard).
     """
     idx = torch.arange(length)
     for n, rank, parts in splits:
         idx = cut(idx, 0, n, rank, parts)
+    if rows is not None:
+        idx = idx[rows[0] : rows[1]]
     runs: list[tuple[int, int]] = []
     for i in idx.tolist():
         if runs and runs[-1][1] == i:
@@ -98,12 +105,18 @@ def index_runs(length: int, splits: list[tuple[int, int, int]]) -> list[tuple[in
     return runs
 
 
-def local_runs(e: Entry, ctx: ParallelContext | None) -> list[list[tuple[int, int]]]:
-    """Per dim of ``e``'s dense tensor, the runs this rank holds."""
+def local_runs(
+    e: Entry, ctx: ParallelContext | None, rows: tuple[int, int] | None = None
+) -> list[list[tuple[int, int]]]:
+    """Per dim of ``e``'s dense tensor, the runs this rank holds: of its tensor-parallel
+    shard, or only the shard's ``rows`` (``[lo, hi)`` of dim 0)."""
     per_dim: list[list[tuple[int, int, int]]] = [[] for _ in e.shape]
     for dim, mode, parts in get_shard_spec(e.tensor) if ctx is not None else ():
         per_dim[dim].append((ctx.world_size(mode), ctx.local_rank(mode), parts))
-    return [index_runs(size, cuts) for size, cuts in zip(e.shape, per_dim, strict=True)]
+    return [
+        index_runs(size, cuts, rows if dim == 0 else None)
+        for dim, (size, cuts) in enumerate(zip(e.shape, per_dim, strict=True))
+    ]
 
 
 def world(ctx: ParallelContext | None) -> int:

@@ -24,6 +24,10 @@ with its gridtrain tags (``tags.copy_tags`` from the parameter it replaced): the
 tensor-parallel shard, a DTensor, or this rank's rows tagged with
 ``zero.rows.set_zero_rows``; ``set_master`` where the optimizer steps a separate copy;
 and by treating writes into them (a load) as new weights before the next forward.
+
+Whole-model calls are loops over the per-tensor ones (``dense_value``, ``load_local``), which
+a streaming writer or reader (``gridtrain.hf``'s safetensors) calls one tensor at a time;
+``held_rows`` / ``load_rows`` let a reader fetch only the rows a rank keeps.
 """
 
 from __future__ import annotations
@@ -37,7 +41,13 @@ from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sharding import dense_items, dense_shape, full_tensor, shard_tensor
 from gridtrain.parallel.tags import ShardSpec, get_shard_spec
-from gridtrain.parallel.zero.rows import ZeroRows, gather_rows, get_zero_rows, owned_like
+from gridtrain.parallel.zero.rows import (
+    ZeroRows,
+    gather_rows,
+    get_zero_rows,
+    owned_like,
+    owned_range,
+)
 
 _MASTER = "_gt_master"
 
@@ -127,6 +137,21 @@ def merge_stages(local: dict, ctx: ParallelContext) -> dict:
     return merged
 
 
+def dense_dtype(t: Tensor) -> torch.dtype:
+    """The dtype ``dense_value`` gives ``t``: the wider of its own and its master's (fp32 masters
+    of fp16 weights, fp64 of fp32 offload rows)."""
+    master = get_master(t)
+    return t.dtype if master is None else torch.promote_types(t.dtype, master.dtype)
+
+
+def dense_value(t: Tensor, ctx: ParallelContext) -> Tensor:
+    """The dense value of the model tensor ``t`` (its master's where it has one), as a CPU
+    tensor of ``dense_dtype(t)``. Collective over ``t``'s tensor-parallel and ZeRO groups."""
+    master = get_master(t)
+    dense = dense_tensor(t if master is None else master, get_shard_spec(t), ctx)
+    return dense.to(dense_dtype(t))
+
+
 def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dict[str, Tensor]:
     """The model's state as plain CPU tensors with the dense model's keys and shapes.
 
@@ -135,15 +160,35 @@ def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dic
     fp16 the fp32 master weights. Collective: call on every rank.
     """
     ctx = ctx or get_context()
-    local = {}
-    for key, t in dense_items(model):
-        master = get_master(t)
-        if master is None:
-            local[key] = dense_tensor(t, get_shard_spec(t), ctx)
-        else:  # the wider of the two dtypes: fp32 masters of fp16, fp64 of fp32 offload rows
-            dense = dense_tensor(master, get_shard_spec(t), ctx)
-            local[key] = dense.to(torch.promote_types(t.dtype, master.dtype))
+    local = {key: dense_value(t, ctx) for key, t in dense_items(model)}
     return merge_stages(local, ctx)
+
+
+def held_rows(t: Tensor, ctx: ParallelContext) -> tuple[int, int] | None:
+    """``[lo, hi)``: the rows of its whole tensor-parallel shard that ``t`` holds, where it
+    holds only those (ZeRO 3's DTensors, Gemini's rows) and no master; else None. A loader
+    then reads just these rows and writes them with ``load_rows``."""
+    rows = get_zero_rows(t)
+    if rows is None or t.dim() == 0 or get_master(t) is not None:
+        return None
+    return owned_range(rows.rows, ctx.world_size(rows.mode), ctx.local_rank(rows.mode))
+
+
+@torch.no_grad()
+def load_rows(t: Tensor, value: Tensor) -> None:
+    """Write the rows ``held_rows(t)`` names (``value``) into ``t``."""
+    mine = t.to_local() if isinstance(t, DTensor) else t
+    mine.copy_(value.view(mine.shape))
+
+
+@torch.no_grad()
+def load_local(t: Tensor, full: Tensor, ctx: ParallelContext) -> None:
+    """Write ``full``, the whole tensor-parallel shard of the model tensor ``t``, into ``t``
+    and its master, each keeping what it holds (no communication)."""
+    copy_full_local(t, full, ctx)
+    master = get_master(t)
+    if master is not None:
+        copy_full_local(master, full, ctx)
 
 
 @torch.no_grad()
@@ -170,21 +215,22 @@ def load_full_state_dict(
             )
     for key, t in items:
         device = t.to_local().device if isinstance(t, DTensor) else t.device
-        full = shard_tensor(state_dict[key].to(device), get_shard_spec(t), ctx)
-        copy_full_local(t, full, ctx)
-        master = get_master(t)
-        if master is not None:
-            copy_full_local(master, full, ctx)
+        load_local(t, shard_tensor(state_dict[key].to(device), get_shard_spec(t), ctx), ctx)
 
 
 __all__ = [
     "copy_full_local",
+    "dense_dtype",
     "dense_tensor",
+    "dense_value",
     "full_local",
     "full_state_dict",
     "get_master",
     "held_like",
+    "held_rows",
     "load_full_state_dict",
+    "load_local",
+    "load_rows",
     "merge_stages",
     "set_master",
 ]
