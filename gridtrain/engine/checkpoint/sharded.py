@@ -220,12 +220,9 @@ class _Filled:
         return self.buf
 
 
-def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
-    """Collective: read this rank's chunks of every tensor it holds from the directory ``path``."""
-    marker = read_marker(path)
-    verify_files(path, marker, ctx)
-    reader = _SafeReader(path)
-    md = reader.read_metadata().state_dict_metadata
+def _model_targets(path: Path, model, optimizer, md, ctx: ParallelContext) -> dict[str, Any]:
+    """DCP key -> the view of this rank's chunk of every model tensor (fp32 masters where
+    the optimizer steps them); every key present and of the saved dense shape."""
     fp32 = {id(p): m for p, m in masters(optimizer)}
     targets: dict[str, Any] = {}
     missing = []
@@ -245,6 +242,16 @@ def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext
             targets[fqn] = view
     if missing:
         raise KeyError(f"load_checkpoint: '{path}' lacks {len(missing)} keys, e.g. {missing[:5]}")
+    return targets
+
+
+def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
+    """Collective: read this rank's chunks of every tensor it holds from the directory ``path``."""
+    marker = read_marker(path)
+    verify_files(path, marker, ctx)
+    reader = _SafeReader(path)
+    md = reader.read_metadata().state_dict_metadata
+    targets = _model_targets(path, model, optimizer, md, ctx)
     plain = ["extra"] if extra is not None else []
     opt_targets, opt_entries = {}, None
     if optimizer is not None:

@@ -191,24 +191,7 @@ class PipelineP2P:
         header_out = None
         if send_next is not None and self.tensor_shape is None:
             header_out = self._header_out(fwd, isinstance(send_next, tuple), send_key)
-        if not recv_prev:
-            recv_specs: Spec = ([], False)
-        elif self.tensor_shape is not None:
-            recv_specs = ([(torch.Size(self.tensor_shape), self.dtype)], False)
-        elif recv_key is not None and recv_key in self._received:
-            recv_specs = self._received[recv_key]
-        else:
-            # a round of its own; the header going out joins it, so that two stages that
-            # both wait for a header (the ring of the interleaved schedule) cannot deadlock
-            header_in = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            first = [dist.P2POp(dist.irecv, header_in, self.prev_rank, self.group)]
-            if header_out is not None:
-                first.insert(0, dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
-                header_out = None
-            self._batch(first)
-            recv_specs = _decode(header_in.cpu())
-            if recv_key is not None:
-                self._received[recv_key] = recv_specs
+        recv_specs, header_out = self._recv_specs(recv_prev, recv_key, header_out)
         if header_out is not None:  # messages to one peer match in posting order: header first
             ops.append(dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
 
@@ -233,6 +216,30 @@ class PipelineP2P:
         self._batch(ops)
 
         return _payloads(from_prev, recv_specs[1], recv_prev, from_next, recv_next_like)
+
+    def _recv_specs(
+        self, recv_prev: bool, recv_key: Hashable | None, header_out: Tensor | None
+    ) -> tuple[Spec, Tensor | None]:
+        """The (shapes, dtypes) of the activations to receive, and the header still to send.
+
+        Fixed ``tensor_shape``: known. A stream seen this step: its first header's. Else
+        a header is received in a round of its own, which the outgoing header joins, so
+        two stages that both wait for a header (the interleaved ring) cannot deadlock."""
+        if not recv_prev:
+            return ([], False), header_out
+        if self.tensor_shape is not None:
+            return ([(torch.Size(self.tensor_shape), self.dtype)], False), header_out
+        if recv_key is not None and recv_key in self._received:
+            return self._received[recv_key], header_out
+        header_in = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        first = [dist.P2POp(dist.irecv, header_in, self.prev_rank, self.group)]
+        if header_out is not None:
+            first.insert(0, dist.P2POp(dist.isend, header_out, self.next_rank, self.group))
+        self._batch(first)
+        specs = _decode(header_in.cpu())
+        if recv_key is not None:
+            self._received[recv_key] = specs
+        return specs, None
 
     def _loop_back(
         self,
