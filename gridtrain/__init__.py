@@ -4,6 +4,7 @@ from gridtrain import data, nn
 from gridtrain.adapters import initialize
 from gridtrain.config import Config, ConfigError
 from gridtrain.engine import (
+    CheckpointError,
     Engine,
     latest_checkpoint,
     load_checkpoint,
@@ -24,6 +25,7 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.third_party_logs import drop_known_notices
 
 __all__ = [
+    "CheckpointError",
     "Config",
     "ConfigError",
     "Engine",

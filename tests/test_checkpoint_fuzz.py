@@ -27,7 +27,6 @@ from helpers.harness import run_distributed
 from torch.distributed.checkpoint.metadata import Metadata
 
 import gridtrain as gt
-from gridtrain.engine.checkpoint import CheckpointError
 from gridtrain.engine.checkpoint import dcp_metadata as md
 
 TIMEOUT = 300
@@ -119,7 +118,7 @@ def test_every_admitted_global_with_every_operation_has_no_side_effect(tmp_path,
     for name, data in cases:
         try:
             result = md.load_metadata(io.BytesIO(data), "'fuzz'")
-        except CheckpointError as err:
+        except gt.CheckpointError as err:
             assert "'fuzz'" in str(err), (name, err)
             outcomes[type(err).__name__] = outcomes.get(type(err).__name__, 0) + 1
         else:
@@ -175,7 +174,7 @@ def _load(path: Path) -> tuple[str, str]:
     try:
         epoch = gt.load_checkpoint(path, model, opt, extra={})
     except Exception as err:  # noqa: BLE001 - the test sorts them
-        kind = "gridtrain" if isinstance(err, CheckpointError) else "foreign"
+        kind = "gridtrain" if isinstance(err, gt.CheckpointError) else "foreign"
         return kind, f"{type(err).__name__}: {err}"
     return "loaded", f"epoch {epoch}"
 

@@ -1,6 +1,7 @@
 """The training engine: initialize, Engine, schedules, checkpoints, the Trainer and its hooks."""
 
 from gridtrain.engine.checkpoint import (
+    CheckpointError,
     CheckpointFuture,
     UnsafeCheckpointError,
     latest_checkpoint,
@@ -35,6 +36,7 @@ __all__ = [
     "AccuracyHook",
     "BaseHook",
     "CSVLogHook",
+    "CheckpointError",
     "CheckpointFuture",
     "Engine",
     "LRSchedulerHook",
