@@ -122,4 +122,3 @@ def test_save_in_one_layout_load_in_the_next(name, tmp_path):
         _assert_equal(_transformers_state(dst), want, f"{layout}: transformers' from_pretrained")
         src = dst
     assert not list(tmp_path.rglob(".*tmp*")), "no temporary file left behind"
-

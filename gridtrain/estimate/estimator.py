@@ -160,7 +160,7 @@ def step_bound(spec: ModelSpec, sc: Scenario, device: DeviceSpec, shards: Tensor
     links = group_links(sc, device.gpus_per_node)
     peak = device.peak_for(sc.amp) * device.efficiency * gemm_scale(spec, geo, sc)
     slot = 0.0
-    for st in {(s.embed, s.blocks, s.head): s for s in sc.stages(spec, shards)}.values():
+    for st in {(s.embed, s.blocks, s.head): s for s in sc.stages(spec)}.values():
         comm = sum(
             collective_seconds(c, links, device)
             for c in microbatch_collectives(spec, geo, sc, st, shards)
@@ -182,7 +182,7 @@ def estimate(
     sizes = {group: link.size for group, link in links.items()}
     stages = []
     done: dict[tuple, tuple] = {}  # stages alike in layers share everything but in-flight counts
-    for layers in sc.stages(spec, shards):
+    for layers in sc.stages(spec):
         key = (layers.embed, layers.blocks, layers.head, layers.stage in (0, sc.pipeline - 1))
         if key not in done:
             done[key] = _stage_parts(spec, sc, device, shards, geo, links, sizes, layers)

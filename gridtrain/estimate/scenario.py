@@ -5,19 +5,21 @@
 ``fp16.mode``, ``clip_grad_norm``, and ``zero`` once the config has it);
 ``check`` says, before any number is computed, why a layout cannot run this
 model (which group, which divisor); ``stages`` cuts the layers into pipeline
-stages with the engine's own ``partition``.
+stages with the engine's own ``partition`` and layer costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 from gridtrain.config import Config, ConfigError
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.shards import TensorShards, tensor_shards
-from gridtrain.parallel.pipeline.partition import partition
+from gridtrain.estimate.skeleton import meta_skeleton
+from gridtrain.parallel.pipeline.balance import LayerCosts, layer_costs, partition
 from gridtrain.parallel.tensor.plan import PlanError
 from gridtrain.parallel.tensor.registry import mode_spec
 
@@ -213,9 +215,10 @@ class Scenario:
                 hint = " (--pad-vocab K rounds the vocabulary up to a multiple of K)"
             raise EstimateError(f"tensor {mode} {t}: {err}{hint}") from None
 
-    def stages(self, spec: ModelSpec, shards: TensorShards) -> list[StageLayers]:
-        """Which layers each pipeline stage holds (the engine's ``partition``; chunks merged)."""
-        return _stages(spec, shards, self.pipeline, self.chunks, self.partition)
+    def stages(self, spec: ModelSpec) -> list[StageLayers]:
+        """Which layers each pipeline stage holds: the engine's ``partition`` on the engine's
+        layer costs (``layer_costs_of``), chunks merged."""
+        return list(_stages(spec, self.pipeline, self.chunks, self.partition))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,28 +274,31 @@ class StageLayers:
         return n
 
 
-def _stages(spec, shards, pipeline, chunks, method) -> list[StageLayers]:
-    return list(_stages_cached(spec, shards.embed.numel_with_ties, shards.block.numel,
-                               shards.head.numel_with_ties, pipeline, chunks, method))  # fmt: skip
+@functools.lru_cache(maxsize=64)
+def layer_costs_of(spec: ModelSpec) -> LayerCosts:
+    """What the engine's ``partition`` weighs for ``spec``'s layers (embed, the blocks, head):
+    ``balance.layer_costs`` of the dense skeleton, whose one block stands for every block (a
+    lookup table computes nothing; a tied head shares its weight with the embedding)."""
+    one = layer_costs(list(meta_skeleton(spec).children()))
+    blocks = [{(i, pid): n for pid, n in one.params[1].items()} for i in range(spec.layers)]
+    params = [one.params[0], *blocks, one.params[2]]
+    compute = [one.compute[0], *[one.compute[1]] * spec.layers, one.compute[2]]
+    return LayerCosts(params, compute)
 
 
-_STAGE_CACHE: dict[tuple, tuple[StageLayers, ...]] = {}
+@functools.lru_cache(maxsize=1024)
+def _stages(spec: ModelSpec, pipeline: int, chunks: int, method: str) -> tuple[StageLayers, ...]:
+    bounds = partition(layer_costs_of(spec), pipeline * chunks, method)
+    owner = [0] * (spec.layers + 2)
+    for part, (start, end) in enumerate(bounds):
+        owner[start:end] = [part % pipeline] * (end - start)
+    return tuple(
+        StageLayers(s, owner[0] == s, sum(1 for o in owner[1:-1] if o == s), owner[-1] == s)
+        for s in range(pipeline)
+    )
+
+
 _SHAPES: dict[tuple, tuple] = {}  # keeps the shards alive, so their id stays theirs
-
-
-def _stages_cached(spec, embed, block, head, pipeline, chunks, method) -> tuple[StageLayers, ...]:
-    key = (spec.layers, embed, block, head, pipeline, chunks, method)
-    if key not in _STAGE_CACHE:
-        weights = [embed] + [block] * spec.layers + [head]
-        bounds = partition(weights, pipeline * chunks, method)
-        owner = [0] * len(weights)
-        for part, (start, end) in enumerate(bounds):
-            owner[start:end] = [part % pipeline] * (end - start)
-        _STAGE_CACHE[key] = tuple(
-            StageLayers(s, owner[0] == s, sum(1 for o in owner[1:-1] if o == s), owner[-1] == s)
-            for s in range(pipeline)
-        )
-    return _STAGE_CACHE[key]
 
 
 def amp_of(cfg: Config) -> str | None:

@@ -111,7 +111,7 @@ def _memory(spec, sc: Scenario, device: DeviceSpec, shards, geo) -> float:
     """Bytes of the fullest stage (model states + activations in flight), no timing."""
     reserved = RESERVED_GPU if device.name != "cpu" else 0.0
     worst, seen = 0.0, {}
-    for layers in sc.stages(spec, shards):
+    for layers in sc.stages(spec):
         key = (layers.embed, layers.blocks, layers.head)
         if key not in seen:
             states = model_states(layers.shapes(shards), sc, layers.largest_layer(shards))
@@ -199,7 +199,7 @@ def _candidates(spec, device, world, batch, base, options, p, mode, t, depth, re
         sc0 = dataclasses.replace(probe, zero=zero)
         states = max(
             model_states(st.shapes(shards), sc0, st.largest_layer(shards)).total
-            for st in sc0.stages(spec, shards)
+            for st in sc0.stages(spec)
         )
         if states > device.memory:
             result.reject("model states exceed the device memory")

@@ -70,11 +70,12 @@ def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:
     from gridtrain.hf.plans import head_split
 
     model_type = getattr(model.config, "model_type", None)
+    split, _ = head_split(ctx)
     if model_type == "gpt2":
-        localise_gpt2_heads(model, head_split(ctx))
+        localise_gpt2_heads(model, split)
     elif model_type == "phi3":
         packed = {n for n, e in plan.entries.items() if e.style == "packed_colwise"}
-        localise_phi3_heads(model, packed, head_split(ctx))
+        localise_phi3_heads(model, packed, split)
     families.restore(model)
     if ctx.tensor_mode == "sequence":
         install(model, ctx)

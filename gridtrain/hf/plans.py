@@ -15,14 +15,13 @@
   so gridtrain refuses to guess and names the Linear layers that need a style.
 
 Heads are checked before anything is built: query heads and key/value heads must
-divide by the number of ways the mode splits them (1d: the tensor size; 2d and 2.5d:
-the grid side q; 3d: the cube side d). Logits stay gathered by default, so
+divide by the number of ways the mode splits them (the mode spec's ``head_split``: 1d the
+tensor size; 2d and 2.5d the grid side q; 3d the cube side d), in the planner's words. Logits stay gathered by default, so
 ``out.logits.reshape(-1, V)`` is right in every mode.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torch import nn
@@ -30,21 +29,16 @@ from torch import nn
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.plan import LINEAR, PlanError, pattern_matches, tracked_modules
+from gridtrain.parallel.tensor.registry import spec_of
 
 GRID_MODES = ("2d", "2.5d", "3d")
 
 
-def head_split(ctx: ParallelContext) -> int:
-    """How many ways the tensor mode splits attention heads (1 = not at all)."""
-    mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
-    if mode == "1d":
-        return n
-    if mode in ("2d", "2.5d"):
-        depth = ctx.config.parallel.tensor.depth if mode == "2.5d" else 1
-        return math.isqrt(n // depth)
-    if mode == "3d":
-        return round(n ** (1 / 3))
-    return 1
+def head_split(ctx: ParallelContext) -> tuple[int, str]:
+    """(how many ways ``ctx``'s tensor mode splits attention heads, over which group in words):
+    the mode spec's own answer, which the planner and ``gridtrain estimate`` use too."""
+    tensor = ctx.world_size(ParallelMode.TENSOR)
+    return spec_of(ctx).head_split(tensor, ctx.config.parallel.tensor.depth)
 
 
 def base_prefix(model: nn.Module) -> str:
@@ -58,28 +52,22 @@ def base_prefix(model: nn.Module) -> str:
 
 def check_heads(model: nn.Module, ctx: ParallelContext) -> None:
     """Query and key/value head counts must divide by the mode's head split."""
-    split = head_split(ctx)
+    split, where = head_split(ctx)
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
     if split == 1 or heads is None:
         return
     kv = getattr(cfg, "num_key_value_heads", None) or heads
-    how = _how(ctx, split)
-    for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+    for key, label, count in (
+        ("num_attention_heads", "heads", heads),
+        ("num_key_value_heads", "key/value heads", kv),
+    ):
         if count % split:
             raise PlanError(
-                f"{type(model).__name__}: {what}={count} is not divisible by {split}: {how}; "
-                f"choose a layout whose head split divides both num_attention_heads={heads} "
-                f"and num_key_value_heads={kv}"
+                f"{type(model).__name__} ({key}={count}): {count} attention {label} do not "
+                f"split over {where}: {count} % {split} != 0 (choose a tensor size that divides "
+                f"num_attention_heads={heads} and num_key_value_heads={kv})"
             )
-
-
-def _how(ctx: ParallelContext, split: int) -> str:
-    mode, n = ctx.tensor_mode, ctx.world_size(ParallelMode.TENSOR)
-    if mode == "1d":
-        return f"tensor mode '1d' splits the heads over the tensor size {n}"
-    side = "the cube side d" if mode == "3d" else "the grid side q"
-    return f"tensor mode {mode!r} (size {n}) splits the heads over {side} = {split}"
 
 
 def tensor_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
