@@ -45,7 +45,7 @@ CHAINS = {
         ("gemini", GEMINI, 2, 0.55),
         ("1d2 naive fp16", {**_tensor(2, "1d"), "fp16": FP16}, 2, 0.6),
         ("pp2 x dp2 zero1", dict(parallel=dict(pipeline=2), num_microbatches=2, **ZERO1), 4, 0.6),
-        ("zero3 naive fp16", {**ZERO3, "fp16": FP16}, 2, 0.55),
+        ("1d2 x dp2 zero3 naive fp16", {**_tensor(2, "1d"), **ZERO3, "fp16": FP16}, 4, 0.3),
     ],
 }
 
