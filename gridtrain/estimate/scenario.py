@@ -122,26 +122,12 @@ class Scenario:
         except ConfigError as err:
             raise EstimateError(str(err)) from None
         p, t = cfg.pipeline_size, cfg.tensor_size
-        data = world // (p * t)
-        m = 1
-        if p > 1:
-            if cfg.num_microbatches is None:
-                raise EstimateError(
-                    f"parallel.pipeline = {p} needs num_microbatches in the config "
-                    f"(e.g. num_microbatches = {2 * p})"
-                )
-            m = cfg.num_microbatches
+        m = _pipeline_microbatches(cfg)
         ga = cfg.gradient_accumulation
         if global_batch is None:
             global_batch = cfg.user_constants().get("GLOBAL_BATCH_SIZE")
         if global_batch is not None:
-            per = data * m * ga
-            if global_batch % per:
-                raise EstimateError(
-                    f"global batch {global_batch} does not split into data {data} x "
-                    f"micro-batches {m} x gradient_accumulation {ga} = {per} equal micro-batches"
-                )
-            micro_batch = global_batch // per
+            micro_batch = _micro_batch(global_batch, world // (p * t), m, ga)
         stage, off = _zero_of(cfg)
         amp = amp_of(cfg)
         tc = cfg.parallel.tensor
@@ -332,3 +318,27 @@ def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
         d = round(t ** (1 / 3))
         return d * d, f"d*d = {d * d} batch blocks of the cube"
     return 1, "nothing"
+
+
+def _pipeline_microbatches(cfg: Config) -> int:
+    """Micro-batches per pipeline step: 1 without a pipeline, else the config's (required)."""
+    p = cfg.pipeline_size
+    if p == 1:
+        return 1
+    if cfg.num_microbatches is None:
+        raise EstimateError(
+            f"parallel.pipeline = {p} needs num_microbatches in the config "
+            f"(e.g. num_microbatches = {2 * p})"
+        )
+    return cfg.num_microbatches
+
+
+def _micro_batch(global_batch: int, data: int, m: int, ga: int) -> int:
+    """The sequences per micro-batch that ``global_batch`` gives; it must split evenly."""
+    per = data * m * ga
+    if global_batch % per:
+        raise EstimateError(
+            f"global batch {global_batch} does not split into data {data} x "
+            f"micro-batches {m} x gradient_accumulation {ga} = {per} equal micro-batches"
+        )
+    return global_batch // per
