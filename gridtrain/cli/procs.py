@@ -1,8 +1,8 @@
 """The processes `gridtrain run` starts: each in its own session, signals forwarded, none left over.
 
 ``gridtrain run`` starts torch's elastic agent (or one ssh per host) in a new
-session, so a signal sent to ``gridtrain run`` alone no longer leaves the agent
-and its workers running (re-parented) after it exits. Instead, SIGTERM, SIGINT
+session, so that a signal sent to ``gridtrain run`` alone cannot leave the agent
+and its workers running (re-parented) after it exits. SIGTERM, SIGINT
 and SIGHUP are forwarded to each child's process group; the agent then stops
 its workers the way it does on a failure (SIGTERM, and SIGKILL after its own
 grace). Whatever is still alive ``grace_s`` later, or once the agent has gone,

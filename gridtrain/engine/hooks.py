@@ -92,8 +92,7 @@ class LRSchedulerHook(BaseHook):
 
     A scheduler passed to ``gridtrain.initialize`` is already stepped by the
     engine after each optimizer step; give it here with ``by_epoch=False`` and the
-    hook only records it. To step per epoch (the legacy default), do not pass the
-    scheduler to ``initialize``.
+    hook only records it. To step per epoch, do not pass the scheduler to ``initialize``.
     """
 
     def __init__(self, lr_scheduler: Any, by_epoch: bool = True, priority: int = 1):

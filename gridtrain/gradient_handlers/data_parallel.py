@@ -19,9 +19,9 @@ class DataParallelGradientHandler(GradientHandler):
     """Average each gradient over its data-parallel group once backward has finished.
 
     The group is ``tags.get_dp_mode(param)``: DATA, SEQUENCE_DP under
-    sequence parallelism, EXPERT_DATA for experts. This is the legacy
-    (non-overlapped) path; with no handler named the engine overlaps the same
-    reduction with backward instead. kwargs: ``bucket_size_mb`` (default 25).
+    sequence parallelism, EXPERT_DATA for experts. It reduces after backward, in one
+    pass; with no handler named the engine overlaps the same reduction with backward
+    instead (faster), so name it only to keep the reduction out of the backward. kwargs: ``bucket_size_mb`` (default 25).
     """
 
     def __init__(

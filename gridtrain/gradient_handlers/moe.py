@@ -14,8 +14,7 @@ class MoeGradientHandler(DataParallelGradientHandler):
 
     Each parameter's group is its data-parallel mode, as for ``DataParallelGradientHandler``;
     the engine's default overlapped path reduces each parameter over the same group, so
-    naming this handler is only needed to reduce after backward instead of during it (the
-    legacy behaviour). kwargs: ``bucket_size_mb``. The 1/ep factor an expert's gradient
+    naming this handler is only needed to reduce after backward instead of during it. kwargs: ``bucket_size_mb``. The 1/ep factor an expert's gradient
     needs lives in the experts' forward, so this handler is a plain mean per group.
     """
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 Group = dist.ProcessGroup | None
 
-# torch >= 2.12 renamed the fused tensor collectives; older releases (the GPU box) lack the new names
+# torch >= 2.12 names the fused tensor collectives *_single; earlier releases have only the old names
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
