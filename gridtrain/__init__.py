@@ -6,6 +6,7 @@ from gridtrain.config import Config, ConfigError
 from gridtrain.engine import (
     CheckpointError,
     Engine,
+    full_optimizer_state_dict,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -33,6 +34,7 @@ __all__ = [
     "ParallelMode",
     "data",
     "destroy",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "get_context",
     "initialize",

@@ -108,6 +108,21 @@ def load_checkpoint(
     return dense_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
 
 
+def full_optimizer_state_dict(
+    model, optimizer, ctx: ParallelContext | None = None
+) -> dict[str, Any]:
+    """The optimizer's state as the model built with no parallelism would hold it.
+
+    ``{"state": {dense parameter name: {key: value}}, "param_groups": [hyperparameters],
+    "group_of": {dense parameter name: group index}}``: every state tensor shaped as its
+    dense parameter (plain CPU tensors; scalars such as a step count as they are), the
+    dense checkpoint's ``"optimizer"`` entry. The same in every layout (tensor modes,
+    pipeline stages, experts, ZeRO 1-3, Gemini; the fp32 masters' state under naive fp16),
+    on every rank. Collective: call on every rank.
+    """
+    return dense_format.dense_optimizer_state(optimizer, model, ctx or get_context())
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directly in ``directory``, or None.
 
@@ -125,6 +140,7 @@ __all__ = [
     "CheckpointTargetError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
+    "full_optimizer_state_dict",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
