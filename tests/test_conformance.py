@@ -7,7 +7,8 @@ neither. For each cell, through the public API only:
 * losses: the first optimizer steps give one plain process's losses;
 * state dict: ``gt.full_state_dict`` after them holds plain tensors with the dense model's
   keys, shapes, dtypes and values, and ``gt.load_full_state_dict`` of the reference's state
-  into a fresh engine of the layout reads back unchanged;
+  into a fresh engine of the layout reads back unchanged; ``gt.full_optimizer_state_dict``
+  holds the reference's AdamW moments and step counts, by dense name;
 * checkpoints: dense and sharded checkpoints saved by one process resume in the layout, and
   the layout's own resume in one process, each continuing on the reference's later losses;
 * shares: each rank holds about 1/k of what the layout shards (parameters, AdamW state),
@@ -100,6 +101,7 @@ def _cell(ctx, variant: str, batches, ref_state, ref_dir: Path, out_dir: Path) -
         state_share(engine, tiny_lm.dense_numel()),
     )
     state = gt.full_state_dict(engine.model)
+    optim = gt.full_optimizer_state_dict(engine.model, engine.optimizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     for fmt, sharded in FORMATS.items():
         gt.save_checkpoint(out_dir / fmt, SAVE_AT, engine.model, engine.optimizer, sched, sharded)
@@ -119,6 +121,7 @@ def _cell(ctx, variant: str, batches, ref_state, ref_dir: Path, out_dir: Path) -
         losses=losses,
         shares=shares,
         state=state if first else None,
+        optim=optim if first else None,
         loaded=loaded if first else None,
         resumed=resumed,
     )
@@ -167,11 +170,17 @@ def reference(root: Path) -> dict:
     """The plain process, and one gridtrain process that saves, under ``root``, the
     checkpoints the layouts resume."""
     batches = tiny_lm.batches(STEPS)
-    losses, states = reference_run(
-        tiny_lm.build_model, batches, tiny_lm.lm_loss, tiny_lm.optimizer_and_scheduler
-    )
+    plain = (tiny_lm.build_model, batches, tiny_lm.lm_loss, tiny_lm.optimizer_and_scheduler)
+    run = reference_run(*plain)
+    at_save = reference_run(tiny_lm.build_model, batches[:SAVE_AT], *plain[2:]).optim
     one = run_distributed(_one_process, 1, batches, root / "reference", [], timeout=TIMEOUT)[0]
-    return dict(batches=batches, losses=losses, states=states, one_process=one["losses"])
+    return dict(
+        batches=batches,
+        losses=run.losses,
+        states=run.states,
+        optim=at_save,
+        one_process=one["losses"],
+    )
 
 
 @cache
@@ -256,6 +265,12 @@ def test_state_dict(name, variant, root):
         torch.testing.assert_close(value, states[SAVE_AT][key], rtol=RTOL, atol=ATOL, msg=key)
     for key, value in rank0["loaded"].items():  # loaded, then gathered: copies, exactly
         torch.testing.assert_close(value, states[SAVE_AT][key], rtol=0, atol=0, msg=key)
+    want = reference(root)["optim"]
+    assert rank0["optim"]["state"].keys() == want["state"].keys()
+    for name, moments in want["state"].items():  # AdamW's moments: summation order only
+        for key, value in moments.items():
+            got = rank0["optim"]["state"][name][key]
+            torch.testing.assert_close(got, value, rtol=RTOL, atol=ATOL, msg=f"{name} {key}")
 
 
 @pytest.mark.parametrize(("name", "variant"), CELLS)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import seeded, train_dense, train_engine
+from helpers.models import TinyTransformer
+from helpers.runs import engine_run, global_losses, reference_run, seeded, token_batches
 
 import gridtrain as gt
 
@@ -56,34 +56,41 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+def _model(model_kw):
+    return seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ, **model_kw), seed=0)
+
+
 def _train(ctx, batches, model_kw):
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ, **model_kw), seed=0)
     x0 = batches[0][0].chunk(ctx.world_size(gt.ParallelMode.DATA))[0]
-    return train_engine(ctx, model, batches, lm_loss, _adamw, example_inputs=x0)
+    build = lambda: _model(model_kw)  # noqa: E731
+    return engine_run(ctx, build, batches, lm_loss, _adamw, example_inputs=x0)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_plain_transformer_equals_one_process(name):
     world, config, model_kw, share = LAYOUTS[name]
-    batches = [(x, y) for x, y in tiny_batches(STEPS, BATCH, SEQ, VOCAB)]
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ, **model_kw), seed=0)
-    d_losses, d_grads, d_final = train_dense(
-        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = reference_run(
+        lambda: _model(model_kw),
+        batches,
+        lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+        _adamw,
     )
+    d_grads, d_final = ref.grads[0], ref.state
     results = run_distributed(_train, world, batches, model_kw, config=config, timeout=300)
     replica = world // _data_size(world, config)
-    # a rank reports the mean over its data-parallel rank's rows: their mean is the dense loss
-    global_losses = torch.tensor([r[0] for r in results[::replica]], dtype=torch.float64)
-    global_losses = global_losses.mean(0).tolist()
+    # a rank reports the mean over its data-parallel rank's rows: their mean is the dense loss;
     # float64 throughout: sharded matmuls and collectives only reorder sums, measured
     # <= 1e-15 relative on losses and gradients
-    assert global_losses == pytest.approx(d_losses, rel=1e-12), name
-    for rank, (losses, grads, final, plan, held) in enumerate(results):
+    assert global_losses(results) == pytest.approx(ref.losses, rel=1e-12), name
+    for rank, run in enumerate(results):
         tag = f"{name} rank {rank}"
-        assert losses == results[rank - rank % replica][0], "one loss per model replica"
+        final, held, plan = run.state, run.shares, run.plan
+        assert run.losses == results[rank - rank % replica].losses, "one loss per model replica"
         assert set(final) == set(d_final), "full state dict has the plain model's keys"
-        for k, g in d_grads.items() if grads is not None else ():  # (pipeline: not gathered)
-            torch.testing.assert_close(grads[k], g, rtol=1e-10, atol=1e-12, msg=f"{tag} {k}")
+        assert run.grads[0].keys() == d_grads.keys(), "every parameter's first-step gradient"
+        for k, g in d_grads.items():  # as the optimizer stepped with it, gathered dense
+            torch.testing.assert_close(run.grads[0][k], g, rtol=1e-10, atol=1e-12, msg=f"{tag} {k}")
         for k, v in d_final.items():
             # AdamW divides by sqrt(v) + 1e-8: on near-zero gradients a 1e-16 difference can
             # move a weight by lr * 1e-16 / 1e-8 = 1e-10 per step; a wrong shard is O(lr)

@@ -8,6 +8,12 @@ grace instead of hanging, and so is a call that exceeds its timeout.
 
 Workers are spawned once (importing torch is most of the start-up) and reused
 by later calls; a failed or timed-out call discards the pool.
+
+A rank's result leaves it as owned copies: every tensor is cloned before the rank
+tears down, and a DTensor (an FSDP2 / ZeRO 3 shard) is refused with its place in the
+result. The queue otherwise moves a tensor's own storage into shared memory from a
+background thread after the function returned, which crashes the worker on storage
+FSDP2 still manages, and the call then waits out its whole timeout.
 """
 
 from __future__ import annotations
@@ -32,6 +38,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def owned(value: Any, where: str = "result") -> Any:
+    """``value`` with every tensor in it (nested in tuples, lists, dicts and dataclasses)
+    replaced by a detached copy; a DTensor is a ``TypeError`` naming where it is."""
+    import dataclasses
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        raise TypeError(
+            f"{where} is a DTensor (this rank's shard of an FSDP2 / ZeRO 3 tensor): gather it "
+            "on every rank first (gt.full_state_dict, gt.full_optimizer_state_dict)"
+        )
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)({k: owned(v, f"{where}[{k!r}]") for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        items = [owned(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {
+            f.name: owned(getattr(value, f.name), f"{where}.{f.name}")
+            for f in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **fields)
+    return value
+
+
 def _worker(index: int, tasks: mp.Queue, results: mp.Queue) -> None:
     import torch
 
@@ -47,11 +82,11 @@ def _worker(index: int, tasks: mp.Queue, results: mp.Queue) -> None:
 
                 ctx = gt.launch(config or {}, rank, world_size, "127.0.0.1", port, backend="gloo")
                 try:
-                    out = fn(ctx, *args, **kwargs)
+                    out = owned(fn(ctx, *args, **kwargs))
                 finally:
                     gt.destroy()
             else:
-                out = fn(rank, world_size, port, *args, **kwargs)
+                out = owned(fn(rank, world_size, port, *args, **kwargs))
             results.put((call_id, rank, True, out))
         except BaseException:  # noqa: BLE001 - every failure must reach the parent
             results.put((call_id, rank, False, traceback.format_exc()))
