@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import seeded, train_dense, train_engine
+from helpers.models import TinyTransformer
+from helpers.runs import engine_run, reference_run, seeded, token_batches
 
 import gridtrain as gt
 
@@ -45,24 +45,26 @@ def _recomputes(module) -> bool:
 def _train(ctx, batches):
     torch._dynamo.reset()
     model = _model()
-    out = train_engine(ctx, model, batches, _loss, _adamw, example_inputs=batches[0][0])
+    run = engine_run(ctx, lambda: model, batches, _loss, _adamw, example_inputs=batches[0][0])
     wrapped = sorted(
         n
         for n, m in model.named_modules()
         if n.startswith("blocks.") and n.count(".") == 1 and _recomputes(m)
     )
-    return out[0], out[1], out[2], wrapped, out[4]
+    return run, wrapped
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_recomputed_blocks_train_as_stored_ones(name):
     world, parallel = LAYOUTS[name]
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    d_losses, d_grads, d_final = train_dense(
-        _model(), batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = reference_run(
+        _model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
     )
+    d_losses, d_grads, d_final = ref.losses, ref.grads[0], ref.state
     results = run_distributed(_train, world, batches, config=dict(AC, **parallel), timeout=300)
-    for rank, (losses, grads, final, wrapped, held) in enumerate(results):
+    for rank, (run, wrapped) in enumerate(results):
+        losses, grads, final, held = run.losses, run.grads[0], run.state, run.shares
         if name != "pp2":
             assert wrapped == ["blocks.0", "blocks.1", "blocks.2"], (name, wrapped)
         else:  # each stage checkpoints the blocks it holds, and holds only its part
@@ -72,7 +74,8 @@ def test_recomputed_blocks_train_as_stored_ones(name):
             assert all(held[k] == 0.5 for k in mats if "ln" not in k), held
         # float64: recompute repeats the same ops; sharding only reorders sums
         assert losses == pytest.approx(d_losses, rel=1e-10), (name, rank)
-        for k, g in (grads or {}).items():
+        assert grads.keys() == d_grads.keys(), name
+        for k, g in grads.items():
             torch.testing.assert_close(g, d_grads[k], rtol=1e-8, atol=1e-12, msg=f"{name} {k}")
         for k, v in final.items():  # AdamW on near-zero gradients amplifies rounding
             torch.testing.assert_close(v, d_final[k], rtol=1e-4, atol=1e-8, msg=f"{name} {k}")
@@ -84,7 +87,7 @@ def _saved_bytes(ctx, every):
     cfg = dict(activation_checkpoint=dict(every=every)) if every else {}
     ctx.config = gt.Config.from_dict(cfg)
     engine, *_ = gt.initialize(model, _adamw(model), _loss)
-    x, y = tiny_batches(1, BATCH, SEQ, VOCAB)[0]
+    x, y = token_batches(1, BATCH, SEQ, VOCAB, seed=0)[0]
     total = []
 
     def pack(t):

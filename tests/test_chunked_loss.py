@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import seeded, train_dense, train_engine
+from helpers.models import TinyTransformer
+from helpers.runs import engine_run, global_losses, reference_run, seeded, token_batches
 
 import gridtrain as gt
 from gridtrain.parallel.tensor.chunked_loss import ChunkedHead, DeferredLogits
@@ -31,27 +31,36 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _model():
+    return seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
+
+
+def _reference(batches):
+    return reference_run(
+        _model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
+    )
+
+
 def _train(ctx, batches):
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
-    out = train_engine(ctx, model, batches, lm_loss, _adamw, example_inputs=batches[0][0])
+    model = _model()
+    run = engine_run(ctx, lambda: model, batches, lm_loss, _adamw, example_inputs=batches[0][0])
     deferred = isinstance(model.head(torch.zeros(2, 3, 32, dtype=torch.float64)), DeferredLogits)
     found = model.head.forward._leaves  # (key, weights) once the no-recompute path ran
-    return out, deferred, bool(found and found[1])
+    return run, deferred, bool(found and found[1])
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["grads in forward", "recompute"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chunked_loss_equals_the_whole_logits_loss(name, recompute):
     world, parallel = LAYOUTS[name]
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
-    d_losses, d_grads, d_final = train_dense(
-        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = _reference(batches)
+    d_losses, d_grads, d_final = ref.losses, ref.grads[0], ref.state
     config = dict(chunked_loss=dict(CHUNK["chunked_loss"], recompute=recompute), parallel=parallel)
-    for rank, ((losses, grads, final, _, held), deferred, in_forward) in enumerate(
+    for rank, (run, deferred, in_forward) in enumerate(
         run_distributed(_train, world, batches, config=config, timeout=300)
     ):
+        losses, grads, final, held = run.losses, run.grads[0], run.state, run.shares
         assert deferred, "the head returns deferred logits while training"
         assert in_forward != recompute, "the path the config asks for ran"
         # really sharded: the chunked head and every block matrix are 1/world of the dense
@@ -62,6 +71,7 @@ def test_chunked_loss_equals_the_whole_logits_loss(name, recompute):
         assert mats and all(held[k] == 1 / world for k in [*mats, "head.weight"]), (name, held)
         # float64: chunking and sharding only reorder sums
         assert losses == pytest.approx(d_losses, rel=1e-12), (name, rank)
+        assert grads.keys() == d_grads.keys(), name
         for k, g in d_grads.items():
             torch.testing.assert_close(grads[k], g, rtol=1e-10, atol=1e-12, msg=f"{name} {k}")
         for k, v in d_final.items():  # AdamW on near-zero gradients: see test_plain_model_parity
@@ -75,23 +85,22 @@ DATA_PARALLEL = {"dp2": {}, "dp2 zero1": dict(zero=1), "dp2 zero2": dict(zero=2)
 def test_chunked_loss_gradients_reach_data_parallel_sync(name):
     """The head's gradients, handed over in the backward by the no-recompute path, still
     go through the gradient sync (all-reduce, ZeRO 1 and 2's reduce-scatter hooks)."""
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
-    d_losses, d_grads, d_final = train_dense(
-        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = _reference(batches)
     results = run_distributed(_train, 2, batches, config=dict(CHUNK, **DATA_PARALLEL[name]))
     # each rank's loss is over its half of the batch; equal halves, so the mean is the dense
-    mean = [sum(r[0][0][i] for r in results) / 2 for i in range(STEPS)]
-    assert mean == pytest.approx(d_losses, rel=1e-12), name  # float64: sums reordered
-    for rank, ((_, grads, final, _, _), deferred, _) in enumerate(results):
+    runs = [r[0] for r in results]
+    assert global_losses(runs) == pytest.approx(ref.losses, rel=1e-12), name  # float64
+    for rank, (run, deferred, _) in enumerate(results):
         assert deferred, f"rank {rank}: the head returns deferred logits while training"
-        # stage 1 keeps each rank's gradients unsynced outside its own rows (only the
-        # optimizer's rows are reduced): its proof is the losses and the stepped weights
-        for k, g in (grads or {}).items() if name != "dp2 zero1" else ():
-            torch.testing.assert_close(g, d_grads[k], rtol=1e-10, atol=1e-12, msg=f"{rank} {k}")
-        for k, v in d_final.items():  # two AdamW steps from the synced gradients
-            torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=f"{rank} {k}")
+        # the gradients the optimizer stepped with (ZeRO 1 and 2: its rows, reduce-scattered)
+        assert run.grads[0].keys() == ref.grads[0].keys()
+        for k, g in ref.grads[0].items():
+            torch.testing.assert_close(
+                run.grads[0][k], g, rtol=1e-10, atol=1e-12, msg=f"{rank} {k}"
+            )
+        for k, v in ref.state.items():  # two AdamW steps from the synced gradients
+            torch.testing.assert_close(run.state[k], v, rtol=1e-4, atol=1e-8, msg=f"{rank} {k}")
 
 
 def test_chunked_loss_with_zero_3_is_refused_by_name():

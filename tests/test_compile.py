@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import seeded, train_dense, train_engine
+from helpers.models import TinyTransformer
+from helpers.runs import engine_run, global_losses, reference_run, seeded, token_batches
 
 import gridtrain as gt
 from gridtrain.engine.compile import find_blocks
@@ -34,27 +34,32 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _model(dtype=torch.float64):
+    return seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0, dtype=dtype)
+
+
+def _dense_loss(o, y):
+    return F.cross_entropy(o.flatten(0, 1), y.flatten())
+
+
 def _train(ctx, batches):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
-    out = train_engine(ctx, model, batches, _loss, _adamw, example_inputs=batches[0][0])
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return out[:3], graphs, out[4]
+    run = engine_run(ctx, _model, batches, _loss, _adamw, example_inputs=batches[0][0])
+    return run, torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_compiled_blocks_train_as_eager(name):
     world, parallel = LAYOUTS[name]
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    model = seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0)
-    d_losses, d_grads, d_final = train_dense(
-        model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = reference_run(_model, batches, _dense_loss, _adamw)
+    d_losses, d_grads, d_final = ref.losses, ref.grads[0], ref.state
     results = run_distributed(_train, world, batches, config=dict(AOT, **parallel), timeout=300)
     data_parallel = name.startswith("dp")  # each rank's loss is over its half of the batch
-    mean_losses = [sum(r[0][0][i] for r in results) / world for i in range(STEPS)]
-    for rank, ((losses, grads, final), graphs, held) in enumerate(results):
+    mean_losses = global_losses([run for run, _ in results])
+    for rank, (run, graphs) in enumerate(results):
+        losses, grads, final, held = run.losses, run.grads[0], run.state, run.shares
         assert graphs >= 1, f"{name}: nothing was compiled"
         # really cut, compiled or not: 1d halves every block matrix, pp keeps one stage
         if name == "1d2":
@@ -62,35 +67,35 @@ def test_compiled_blocks_train_as_eager(name):
             mats = [k for k in mats if "ln" not in k]
             assert mats and all(held[k] == 0.5 for k in mats), (rank, held)
         if name == "pp2":  # a replica would hold every parameter of the model
-            assert 0 < len(held) < len(dict(model.named_parameters())), (rank, sorted(held))
+            assert 0 < len(held) < len(d_final), (rank, sorted(held))
         # float64: AOTAutograd's decompositions and sharding only reorder sums
         got = mean_losses if data_parallel else losses
         assert got == pytest.approx(d_losses, rel=1e-10), (name, rank)
-        for k, g in (grads or {}).items():  # (pipeline: gradients not gathered)
+        assert grads.keys() == d_grads.keys(), name
+        for k, g in grads.items():
             torch.testing.assert_close(g, d_grads[k], rtol=1e-8, atol=1e-12, msg=f"{name} {k}")
         for k, v in final.items():  # AdamW on near-zero gradients amplifies rounding
             torch.testing.assert_close(v, d_final[k], rtol=1e-4, atol=1e-8, msg=f"{name} {k}")
 
 
 def _fp32_model():
-    return seeded(lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), seed=0, dtype=torch.float32)
+    return _model(torch.float32)
 
 
 def _train_fp32(ctx, batches):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with torch._inductor.config.patch(force_disable_caches=True):  # codegen runs every time
-        out = train_engine(ctx, _fp32_model(), batches, _loss, _adamw)
-    return out[0], out[2], dict(torch._dynamo.utils.counters["stats"])
+        run = engine_run(ctx, _fp32_model, batches, _loss, _adamw)
+    return run.losses, run.state, dict(torch._dynamo.utils.counters["stats"])
 
 
 def test_inductor_blocks_match_eager_in_float32(tmp_path):
     """The default backend generates C++ for the blocks on CPU (one graph for both blocks);
     ``compile.options`` reach it (here: its trace, which writes the generated code)."""
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    d_losses, _, d_final = train_dense(
-        _fp32_model(), batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = reference_run(_fp32_model, batches, _dense_loss, _adamw)
+    d_losses, d_final = ref.losses, ref.state
     trace = {"trace.enabled": True, "trace.debug_dir": str(tmp_path)}
     ((losses, final, stats),) = run_distributed(
         _train_fp32, 1, batches, config=dict(compile=dict(options=trace, loss=False)), timeout=600

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import seeded, train_dense, train_engine
+from helpers.models import TinyTransformer
+from helpers.runs import engine_run, global_losses, reference_run, seeded, token_batches
 from torch import nn
 
 import gridtrain as gt
@@ -80,27 +80,27 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def _model(model_name):
+    return seeded(MODELS[model_name], seed=0)
+
+
 def _train(ctx, batches, model_name):
-    model = seeded(MODELS[model_name], seed=0)
-    return train_engine(ctx, model, batches, lm_loss, _adamw)  # no example, no dataloader
+    build = lambda: _model(model_name)  # noqa: E731
+    return engine_run(ctx, build, batches, lm_loss, _adamw)  # no example, no dataloader
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_initialize_needs_no_example_input(name):
     world, config, model_name, share = LAYOUTS[name]
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    dense = seeded(MODELS[model_name], seed=0)
-    d_losses, _, _ = train_dense(
-        dense, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    dense_loss = lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
+    ref = reference_run(lambda: _model(model_name), batches, dense_loss, _adamw)
     results = run_distributed(_train, world, batches, model_name, config=config, timeout=300)
-    parallel = config.get("parallel", {})
-    replica = parallel.get("pipeline", 1) * parallel.get("tensor", {}).get("size", 1)
-    # each data rank reports its rows' mean: their mean is the dense loss
-    losses = torch.tensor([r[0] for r in results[::replica]], dtype=torch.float64).mean(0)
-    # float64: layouts only reorder sums (measured <= 1e-15 relative)
-    assert losses.tolist() == pytest.approx(d_losses, rel=1e-12), name
-    for rank, (*_, plan, held) in enumerate(results):
+    # each data rank reports its rows' mean: their mean is the dense loss; float64: layouts
+    # only reorder sums (measured <= 1e-15 relative)
+    assert global_losses(results) == pytest.approx(ref.losses, rel=1e-12), name
+    for rank, run in enumerate(results):
+        plan, held = run.plan, run.shares
         if OUT_PROJ[model_name] in held:  # (pipeline: on the last stage only)
             assert held[OUT_PROJ[model_name]] == pytest.approx(share), (name, rank, held)
         assert plan.startswith("layout: "), plan
