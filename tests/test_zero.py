@@ -8,11 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import dp_rows, seeded
+from helpers.models import TinyTransformer
+from helpers.runs import (
+    data_rows,
+    engine_step,
+    global_losses,
+    reference_run,
+    seeded,
+    state_share,
+    token_batches,
+)
 
 import gridtrain as gt
-from gridtrain.parallel.zero.memory import optimizer_state_numel
 
 PM = gt.ParallelMode
 STEPS, BATCH, SEQ, VOCAB, HIDDEN = 3, 8, 16, 64, 32
@@ -32,49 +39,27 @@ def _model(dtype=torch.float64, tie=False):
 
 
 def _dense(batches, clip=0.0, tie=False):
-    """One process, plain PyTorch: losses and final state."""
-    model = _model(tie=tie)
-    opt = _adamw(model)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    """One process, plain PyTorch: the harness's reference run."""
+    dense_loss = lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
+    return reference_run(lambda: _model(tie=tie), batches, dense_loss, _adamw, clip=clip)
 
 
 def _train(ctx, batches, dtype=torch.float64, inject_at=None):
-    """Train through gt.initialize; per rank: losses, full state, optimizer-state elements,
-    skipped flags, loss scales. ``TIE = True`` in the config ties the head to the embedding."""
+    """Train through gt.initialize; per rank: losses, full state, this rank's share of the
+    dense optimizer state, skipped flags, loss scales. ``TIE = True`` in the config ties the
+    head to the embedding."""
     model = _model(dtype, tie=getattr(ctx.config, "TIE", False))
-    x0 = dp_rows(batches[0][0], ctx)
+    dense = sum(p.numel() for p in model.parameters())
+    x0 = data_rows(batches[0][0], ctx)
     engine, *_ = gt.initialize(model, _adamw(model), lm_loss, example_inputs=x0)
-    accumulation = ctx.config.gradient_accumulation
-    pipeline = ctx.world_size(PM.PIPELINE) > 1
-    hook = None
     losses, skipped, scales = [], [], []
-    for step, (x, y) in enumerate(batches):
-        x, y = dp_rows(x, ctx), dp_rows(y, ctx)
+    for step, batch in enumerate(batches):
+        hook = None
         if step == inject_at and ctx.local_rank(PM.DATA) == 0:
-            hook = _inject_inf_in_last_row(engine.model)
-        engine.zero_grad()
-        window = []
-        for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            if pipeline:
-                _, _, loss = engine.execute_schedule(iter([(xm, ym)]), return_output_label=False)
-            else:
-                loss = engine.criterion(engine(xm), ym)
-                engine.backward(loss)
-            window.append(loss.item())
-        engine.step()
+            hook = _inject_inf_in_last_row(model)
+        losses.append(engine_step(engine, *data_rows(batch, ctx), ctx))
         if hook is not None:
             hook.remove()
-            hook = None
-        losses.append(sum(window) / len(window))
         skipped.append(engine.last_step_skipped)
         scaler = getattr(engine.optimizer, "scaler", None)
         if scaler is not None and hasattr(scaler, "get_scale"):  # torch's GradScaler
@@ -82,31 +67,19 @@ def _train(ctx, batches, dtype=torch.float64, inject_at=None):
         else:
             scales.append(getattr(scaler, "scale", None))
     full = gt.full_state_dict(engine.model)
-    return losses, full, optimizer_state_numel(engine.optimizer), skipped, scales
+    return losses, full, state_share(engine, dense), skipped, scales
 
 
 def _inject_inf_in_last_row(model):
     """This rank's gradient of the head weight gets inf in its last row only: after the
     reduce-scatter only the rank owning that row sees it."""
-    head = gt.parallel.sharding.unwrap(model).head.weight
 
     def hook(grad):
         grad = grad.clone()
         grad[-1] = float("inf")
         return grad
 
-    return head.register_hook(hook)
-
-
-def _global_losses(results, world, config):
-    par = config.get("parallel", {})
-    pipeline = par.get("pipeline", 1)
-    tensor = par.get("tensor", {}).get("size", 1)
-    replica = pipeline * tensor
-    rows = [r[0] for r in results[::replica]]
-    if pipeline > 1:  # the loss is reported by the last stage
-        rows = [r[0] for r in results[replica - tensor :: replica]]
-    return torch.tensor(rows, dtype=torch.float64).mean(0).tolist()
+    return model.head.weight.register_hook(hook)
 
 
 # name: (world, config, dense clip); float64 throughout
@@ -147,13 +120,14 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_equals_one_process(name):
     world, config, clip = LAYOUTS[name]
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
-    d_losses, d_final = _dense(batches, clip, tie=config.get("TIE", False))
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    ref = _dense(batches, clip, tie=config.get("TIE", False))
+    d_final = ref.state
     results = run_distributed(_train, world, batches, config=config, timeout=300)
     # float64: sharded sums only reorder additions (<= 1e-15 relative); AdamW divides by
     # sqrt(v) + 1e-8, so a 1e-16 gradient difference on a near-zero gradient can move a
     # weight by lr * 1e-16 / 1e-8 = 1e-10 per step; a wrong row is O(lr) = 1e-2
-    assert _global_losses(results, world, config) == pytest.approx(d_losses, rel=1e-10), name
+    assert global_losses([r[0] for r in results]) == pytest.approx(ref.losses, rel=1e-10), name
     for rank, (_, final, *_) in enumerate(results):
         assert set(final) == set(d_final)
         for k, v in d_final.items():
@@ -162,21 +136,21 @@ def test_zero_equals_one_process(name):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_rank_holds_a_quarter_of_the_optimizer_state(stage):
-    batches = tiny_batches(1, BATCH, SEQ, VOCAB)
+    batches = token_batches(1, BATCH, SEQ, VOCAB, seed=0)
     results = run_distributed(_train, 4, batches, config=dict(zero=stage), timeout=300)
-    dense = sum(p.numel() for p in _model().parameters())
     held = [r[2] for r in results]
     # AdamW keeps exp_avg and exp_avg_sq per element (its step counters are scalars);
-    # every dim 0 of the model divides by 4, so the rows split exactly
-    assert sum(held) == 2 * dense, held
+    # every dim 0 of the model divides by 4, so the rows split exactly: the shares add up
+    # to one copy of the state (sums of k / 2^n, exact in float64)
+    assert sum(held) == 1.0, held
     for h in held:
-        assert h / (2 * dense) <= 1 / 4 + 1e-9, held
+        assert h <= 1 / 4 + 1e-9, held
 
 
 def test_naive_fp16_stage2_skips_an_injected_overflow_on_every_rank():
     """dp2, naive fp16: the same run without ZeRO is the reference (the fp16 batch split
     rounds differently from one process; with two ranks a+b sums alike in both)."""
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
     fp16 = dict(mode="naive", initial_scale=2.0**10, hysteresis=1)
     plain = run_distributed(
         _train, 2, batches, torch.float32, 1, config=dict(fp16=fp16), timeout=300
@@ -213,7 +187,7 @@ def _reduce_scatters_per_micro_step(ctx, batches, accumulation):
     try:
         model = _model()
         engine, *_ = gt.initialize(model, _adamw(model), lm_loss)
-        x, y = dp_rows(batches[0][0], ctx), dp_rows(batches[0][1], ctx)
+        x, y = data_rows(batches[0], ctx)
         seen = []
         engine.zero_grad()
         for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
@@ -228,7 +202,7 @@ def _reduce_scatters_per_micro_step(ctx, batches, accumulation):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_accumulation_communicates_only_in_the_last_micro_step(stage):
-    batches = tiny_batches(1, BATCH, SEQ, VOCAB)
+    batches = token_batches(1, BATCH, SEQ, VOCAB, seed=0)
     config = dict(zero=stage, gradient_accumulation=2)
     for seen in run_distributed(
         _reduce_scatters_per_micro_step, 4, batches, 2, config=config, timeout=300

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
-from helpers.models import tiny_batches
+from helpers.runs import token_batches
 from test_zero import BATCH, SEQ, STEPS, VOCAB, _train
 
 # (mode, stage): (loss rtol, weight atol)
@@ -26,7 +26,7 @@ CASES = {
 
 @pytest.mark.parametrize("mode,stage", list(CASES))
 def test_zero_under_amp_equals_the_same_layout_without(mode, stage):
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
     fp16 = dict(mode=mode, initial_scale=2.0**10)
     plain = run_distributed(_train, 2, batches, torch.float32, config=dict(fp16=fp16), timeout=300)
     zero = run_distributed(

@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import dp_rows, seeded
+from helpers.models import TinyTransformer
+from helpers.runs import data_rows, engine_step, seeded, token_batches
 
 import gridtrain as gt
 
-PM = gt.ParallelMode
 BATCH, SEQ, VOCAB, HIDDEN = 8, 16, 64, 32
 TP2 = dict(tensor=dict(size=2, mode="1d"))
 FP16 = dict(mode="naive", initial_scale=2.0**10)
@@ -26,21 +25,13 @@ def lm_loss(logits, labels):
 def _engine(ctx, batches, dtype):
     model = seeded(lambda: TinyTransformer(vocab=VOCAB, hidden=HIDDEN, seq=SEQ), 0, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    x0 = dp_rows(batches[0][0], ctx)
+    x0 = data_rows(batches[0][0], ctx)
     engine, *_ = gt.initialize(model, opt, lm_loss, example_inputs=x0)
     return engine
 
 
 def _steps(engine, ctx, batches):
-    losses = []
-    for x, y in batches:
-        x, y = dp_rows(x, ctx), dp_rows(y, ctx)
-        engine.zero_grad()
-        loss = engine.criterion(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return [engine_step(engine, *data_rows(batch, ctx), ctx) for batch in batches]
 
 
 def _save_run(ctx, batches, out, sharded, dtype):
@@ -109,7 +100,7 @@ MOVES = {
 @pytest.mark.parametrize("name", list(MOVES))
 def test_checkpoint_moves_between_stages_and_layouts(name, tmp_path):
     save_world, save_cfg, load_world, load_cfg, sharded = MOVES[name]
-    batches = tiny_batches(3, BATCH, SEQ, VOCAB)
+    batches = token_batches(3, BATCH, SEQ, VOCAB, seed=0)
     fp16 = "fp16" in save_cfg
     dtype = torch.float32 if fp16 else torch.float64
     after_save = run_distributed(
@@ -155,7 +146,7 @@ def _plain_once(ctx, batches, out):
 def test_sharded_checkpoint_holds_each_row_once(stage, tmp_path):
     """Four ranks write their rows once: every tensor's chunks add up to it, no more, and the
     directory holds the tensors of one process's checkpoint."""
-    batches = tiny_batches(1, BATCH, SEQ, VOCAB)
+    batches = token_batches(1, BATCH, SEQ, VOCAB, seed=0)
     run_distributed(_rows_once, 4, batches, tmp_path, config=dict(zero=stage), timeout=300)
     run_distributed(_plain_once, 1, batches, tmp_path, timeout=300)
     zero, plain = _stored_elements(tmp_path / "zero"), _stored_elements(tmp_path / "plain")

@@ -10,12 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer, tiny_batches
-from helpers.parity import dp_rows, seeded, shares
+from helpers.models import TinyTransformer
+from helpers.runs import (
+    data_rows,
+    engine_step,
+    global_losses,
+    reference_run,
+    seeded,
+    shares,
+    token_batches,
+)
 
 import gridtrain as gt
 
-PM = gt.ParallelMode
 STEPS, BATCH, SEQ, VOCAB, HIDDEN = 3, 8, 16, 64, 32
 LR, CLIP = 1e-2, 0.05
 GEMINI = dict(stage=3, offload=True)
@@ -34,54 +41,31 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
+def _dense_loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten())
+
+
 def _dense(batches, clip=0.0, tie=False, dtype=torch.float64):
-    model = _model(dtype, tie)
-    opt = _adamw(model)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1).double(), y.flatten())
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    """One process, plain PyTorch: the harness's reference run."""
+    ref = reference_run(lambda: _model(dtype, tie), batches, _dense_loss, _adamw, clip=clip)
+    return ref.losses, ref.state
 
 
 def _train(ctx, batches, dtype=torch.float64):
     """Per rank: mean loss per step, the full state, this rank's share of each parameter,
     the bytes moved and the device bytes the offloaded engine held after training."""
     model = _model(dtype, tie=getattr(ctx.config, "TIE", False))
+    dense = {n: p.numel() for n, p in model.named_parameters()}
     engine, *_ = gt.initialize(model, _adamw(model), lm_loss, example_inputs=batches[0][0][:1])
-    accumulation = ctx.config.gradient_accumulation
-    pipeline = ctx.world_size(PM.PIPELINE) > 1
-    losses = []
-    for x, y in batches:
-        x, y = dp_rows(x, ctx), dp_rows(y, ctx)
-        engine.zero_grad()
-        window = []
-        for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            if pipeline:
-                _, _, loss = engine.execute_schedule(iter([(xm, ym)]), return_output_label=False)
-            else:
-                loss = engine.criterion(engine(xm), ym)
-                engine.backward(loss)
-            window.append(loss.item())
-        engine.step()
-        losses.append(sum(window) / len(window))
-    held = shares(engine, ctx)
+    losses = [engine_step(engine, *data_rows(batch, ctx), ctx) for batch in batches]
+    held = shares(engine, dense)
     moved = engine.zero.transfer_bytes()
     device = engine.zero.memory_report()["device_params"]
     return losses, gt.full_state_dict(engine.model), held, moved, device
 
 
-def _global_losses(results, config):
-    par = config.get("parallel", {})
-    pipeline, tensor = par.get("pipeline", 1), par.get("tensor", {}).get("size", 1)
-    replica = pipeline * tensor
-    rows = [r[0] for r in results[replica - tensor :: replica]]  # the last stage reports
-    return torch.tensor(rows, dtype=torch.float64).mean(0).tolist()
+def _global_losses(results):
+    return global_losses([r[0] for r in results])
 
 
 # name: (world, config, dense clip, data-parallel size); float64 throughout
@@ -116,19 +100,19 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_gemini_equals_one_process(name):
     world, config, clip, dp = LAYOUTS[name]
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
     d_losses, d_final = _dense(batches, clip, tie=config.get("TIE", False))
     results = run_distributed(_train, world, batches, config=config, timeout=300)
     # float64: the reduce-scatter and the host sums only reorder additions; AdamW's
     # 1/(sqrt(v) + 1e-8) can turn a 1e-16 gradient difference into 1e-10 of weight per
     # step; a wrong row or a stale device copy is off by O(lr) = 1e-2
-    assert _global_losses(results, config) == pytest.approx(d_losses, rel=1e-10), name
+    assert _global_losses(results) == pytest.approx(d_losses, rel=1e-10), name
     for rank, (_, final, held, moved, device) in enumerate(results):
         assert set(final) == set(d_final)
         for k, v in d_final.items():
             torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=f"{name} {rank} {k}")
         # each rank's masters are its rows only: 1/dp of its tensor-parallel shard (or less)
-        assert max(held.values()) <= 1 / dp + 1e-9, (name, rank, held)
+        assert held and max(held.values()) <= 1 / dp + 1e-9, (name, rank, held)
         assert moved["d2h"] > 0 and moved["h2d"] > 0, moved
         if "streamed" in name:
             # a streamed block's copy is on the device only while in use
@@ -141,26 +125,19 @@ def _load_into_gemini(ctx, batches, path):
     and a plain state dict too, and both take the third step."""
     model = _model()
     engine, *_ = gt.initialize(model, _adamw(model), lm_loss)
-    for x, y in batches[:2]:
-        x, y = dp_rows(x, ctx), dp_rows(y, ctx)
-        engine.zero_grad()
-        engine.backward(engine.criterion(engine(x), y))
-        engine.step()
+    for batch in batches[:2]:
+        engine_step(engine, *data_rows(batch, ctx), ctx)
     gt.save_checkpoint(path, 2, engine.model, engine.optimizer)
     model2 = _model()
     fresh, *_ = gt.initialize(model2, _adamw(model2), lm_loss)
-    fresh(dp_rows(batches[0][0], ctx))  # the device copies exist before the load replaces them
+    fresh(data_rows(batches[0][0], ctx))  # the device copies exist before the load replaces them
     assert gt.load_checkpoint(path, fresh.model, fresh.optimizer) == 2
-    x, y = dp_rows(batches[2][0], ctx), dp_rows(batches[2][1], ctx)
-    fresh.zero_grad()
-    loss = fresh.criterion(fresh(x), y)
-    fresh.backward(loss)
-    fresh.step()
-    return loss.item(), gt.full_state_dict(fresh.model)
+    loss = engine_step(fresh, *data_rows(batches[2], ctx), ctx)
+    return loss, gt.full_state_dict(fresh.model)
 
 
 def test_a_checkpoint_loads_into_a_streamed_gemini_engine(tmp_path):
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
     d_losses, d_final = _dense(batches)
     config = dict(zero=dict(GEMINI, device_param_mb=0.02))
     results = run_distributed(
@@ -178,14 +155,14 @@ def test_a_checkpoint_loads_into_a_streamed_gemini_engine(tmp_path):
 def test_bf16_gemini_computes_in_bf16_and_tracks_the_fp32_run():
     """Under bf16 amp the device copies are bf16 (as FSDP2's bf16 policy gathers them) and
     the masters fp32: the losses follow the dense bf16-autocast run to bf16 rounding."""
-    batches = tiny_batches(STEPS, BATCH, SEQ, VOCAB)
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
     config = dict(fp16=dict(mode="bf16"), zero=dict(GEMINI, device_param_mb=0.02))
     results = run_distributed(_train, 2, batches, torch.float32, config=config, timeout=300)
     d_losses, d_final = _dense(batches, dtype=torch.float32)
     # bf16 keeps 8 mantissa bits: a loss of ~4.2 moves by ~1e-2 through the weights' and
     # activations' rounding; a wrong update moves it by more than the 0.15 three steps of
     # lr 1e-2 take off
-    assert _global_losses(results, config) == pytest.approx(d_losses, abs=0.03)
+    assert _global_losses(results) == pytest.approx(d_losses, abs=0.03)
     for _, final, *_ in results:
         assert all(v.dtype == torch.float32 for v in final.values())  # the fp32 masters
 
@@ -213,18 +190,18 @@ def _dense_delayed(batches):
 def test_delayed_update_is_zero_offloads_one_step_stale_update():
     """The delayed run equals its single-process definition exactly (float64), and still
     learns: over six steps its loss falls as the exact run's does."""
-    batches = tiny_batches(6, BATCH, SEQ, VOCAB)
+    batches = token_batches(6, BATCH, SEQ, VOCAB, seed=0)
     config = dict(zero=dict(GEMINI, delayed_update=True))
     results = run_distributed(_train, 2, batches, config=config, timeout=300)
     want_losses, want_final = _dense_delayed(batches)
     # float64, as the exact path; a step applied on time (no delay) changes the third loss
     # by O(lr) = 1e-2
-    assert _global_losses(results, config) == pytest.approx(want_losses, rel=1e-10)
+    assert _global_losses(results) == pytest.approx(want_losses, rel=1e-10)
     for _, final, *_ in results:  # the state dict waits for the step still running
         for k, v in want_final.items():
             torch.testing.assert_close(final[k], v, rtol=1e-4, atol=1e-8, msg=k)
     exact, _ = _dense(batches)
-    delayed = _global_losses(results, config)
+    delayed = _global_losses(results)
     assert delayed[-1] < delayed[0] - 0.5 * (exact[0] - exact[-1]), (delayed, exact)
 
 
