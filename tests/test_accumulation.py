@@ -3,13 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine_models import MLP, dense_state, dense_train, global_batches, rank_slice, sgd
 from helpers.harness import run_distributed
+from helpers.models import MLP, mlp, momentum_sgd
+from helpers.runs import Normal, batches, data_rows, reference_run
 
 import gridtrain as gt
 
-PM = gt.ParallelMode
 WINDOWS, WINDOW_BATCH = 3, 16
+DATA = batches(WINDOWS, Normal((WINDOW_BATCH, MLP.D_IN)), Normal((WINDOW_BATCH, MLP.D_OUT)))
 # fp32 sums of the same terms in another order (micro-batch means, then accumulation): ~1e-7
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -18,15 +19,19 @@ def _sched(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
 
+def _sgd_and_sched(model):
+    opt = momentum_sgd(model)
+    return opt, _sched(opt)
+
+
 def _train_accumulated(ctx, micro):
-    model = MLP()
-    model.load_state_dict(dense_state())
-    opt = sgd(model.parameters())
-    engine, _, _, sched = gt.initialize(model, opt, criterion=F.mse_loss, lr_scheduler=_sched(opt))
-    rank, world = ctx.local_rank(PM.DATA), ctx.world_size(PM.DATA)
+    """The README's protocol: the same loop every micro-step, ``step()`` acting at the end
+    of each window."""
+    model = mlp()
+    opt, sched = _sgd_and_sched(model)
+    engine, _, _, sched = gt.initialize(model, opt, criterion=F.mse_loss, lr_scheduler=sched)
     micro_batches = []
-    for x, y in global_batches(WINDOWS, WINDOW_BATCH):
-        x, y = rank_slice(x, rank, world), rank_slice(y, rank, world)
+    for x, y in (data_rows(batch, ctx) for batch in DATA):
         micro_batches += list(zip(x.chunk(micro), y.chunk(micro), strict=True))
     data = iter(micro_batches)
     stepped, lrs = [], []
@@ -43,9 +48,7 @@ def test_accumulation_equals_large_batch(world, micro):
     results = run_distributed(
         _train_accumulated, world, micro, config=dict(gradient_accumulation=micro), timeout=300
     )
-    ref_state, _, _ = dense_train(
-        dense_state(), global_batches(WINDOWS, WINDOW_BATCH), sgd, make_sched=_sched
-    )
+    ref_state = reference_run(mlp, DATA, F.mse_loss, _sgd_and_sched).state
     for state, stepped, lrs, sched_steps in results:
         assert stepped == ([False] * (micro - 1) + [True]) * WINDOWS, "steps only at window end"
         assert sched_steps == WINDOWS, "the LR scheduler stepped once per window"
@@ -56,8 +59,8 @@ def test_accumulation_equals_large_batch(world, micro):
 
 def _too_many_backwards(ctx):
     model = MLP()
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
-    x, y = global_batches(1, 4)[0]
+    engine, *_ = gt.initialize(model, momentum_sgd(model), criterion=F.mse_loss)
+    x, y = DATA[0]
     for _ in range(3):  # gradient_accumulation = 2 and no step() in between
         engine.backward(engine.criterion(engine(x), y))
 

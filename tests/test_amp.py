@@ -3,23 +3,17 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine_models import (
-    MLP,
-    dense_state,
-    dense_train,
-    global_batches,
-    sgd,
-    sharded_model,
-)
 from helpers.harness import run_distributed
+from helpers.models import MLP, mlp, momentum_sgd
+from helpers.runs import Normal, batches, engine_step, reference_run
 
 import gridtrain as gt
 from gridtrain.amp import AMP_TYPE
-from gridtrain.parallel.sharding import unwrap
 
 PM = gt.ParallelMode
 STEPS, BATCH, OVERFLOW_STEP = 5, 8, 1
 TP2 = dict(tensor=dict(size=2, mode="1d"))
+DATA = batches(STEPS + 1, Normal((BATCH, MLP.D_IN)), Normal((BATCH, MLP.D_OUT)))
 
 
 def _scale(engine):
@@ -28,16 +22,16 @@ def _scale(engine):
 
 
 def _train_with_overflow(ctx):
-    model = sharded_model(ctx, dense_state())
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    model = mlp()  # under 1d: fc1 by column, so each tensor rank holds half of its weight
+    engine, *_ = gt.initialize(model, momentum_sgd(model), criterion=F.mse_loss)
     stepped, scales, unchanged, finite = [], [], None, True
-    for i, (x, y) in enumerate(global_batches(STEPS + 1, BATCH)):
+    for i, (x, y) in enumerate(DATA):
         engine.zero_grad()
-        engine.backward(engine.compute_loss(engine.forward_split(x), y))
+        engine.backward(engine.criterion(engine(x), y))
         if i == OVERFLOW_STEP:
             before = gt.full_state_dict(engine.model)
             if ctx.local_rank(PM.TENSOR) == 1:  # only this rank's shard of fc1 overflows
-                unwrap(engine.model).fc1.weight.grad[0, 0] = float("inf")
+                model.fc1.weight.grad[0, 0] = float("inf")
         stepped.append(engine.step())
         scales.append(_scale(engine))
         if i == OVERFLOW_STEP:
@@ -60,8 +54,8 @@ def test_overflow_on_one_rank_skips_the_step_on_all(mode):
         assert unchanged, "the skipped step changed no weight"
         assert finite, "no NaN/inf ever reached the weights"
     # then it trains like fp32 on the batches whose steps were taken
-    kept = [b for i, b in enumerate(global_batches(STEPS + 1, BATCH)) if i != OVERFLOW_STEP]
-    ref, _, _ = dense_train(dense_state(), kept, sgd)
+    kept = [b for i, b in enumerate(DATA) if i != OVERFLOW_STEP]
+    ref = reference_run(mlp, kept, F.mse_loss, momentum_sgd).state
     for key in ref:
         # fp16 activations/gradients (11-bit mantissa, ~5e-4 relative per op) over 5 SGD steps
         # on O(0.3) weights: measured 1.4e-4 (naive) / 6e-5 (torch); 1e-3 is ~1/50 of one step
@@ -70,17 +64,14 @@ def test_overflow_on_one_rank_skips_the_step_on_all(mode):
 
 
 def _train_autocast(ctx):
-    model = MLP()
-    model.load_state_dict(dense_state())
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
-    out_dtypes = []
-    for x, y in global_batches(STEPS, BATCH):
-        engine.zero_grad()
-        out = engine(x)
-        out_dtypes.append(out.dtype)
-        engine.backward(engine.criterion(out, y))
-        assert engine.step()
-    return out_dtypes, gt.full_state_dict(engine.model), engine.model.fc1.weight.dtype
+    model = mlp()
+    engine, *_ = gt.initialize(model, momentum_sgd(model), criterion=F.mse_loss)
+    outputs = []
+    for batch in DATA[:STEPS]:  # the whole batch on each rank: the replicas must stay equal
+        engine_step(engine, *batch, ctx, outputs=outputs)
+        assert not engine.last_step_skipped
+    out_dtypes = [out.dtype for out in outputs]
+    return out_dtypes, gt.full_state_dict(engine.model), model.fc1.weight.dtype
 
 
 @pytest.mark.parametrize(
@@ -91,7 +82,7 @@ def _train_autocast(ctx):
 )
 def test_autocast_modes_run_in_low_precision_and_stay_close_to_fp32(mode, dtype, tol):
     results = run_distributed(_train_autocast, 2, config=dict(fp16=dict(mode=mode)), timeout=300)
-    ref, _, _ = dense_train(dense_state(), global_batches(STEPS, BATCH), sgd)
+    ref = reference_run(mlp, DATA[:STEPS], F.mse_loss, momentum_sgd).state
     for out_dtypes, state, weight_dtype in results:
         assert set(out_dtypes) == {dtype}, "the forward ran under autocast"
         assert weight_dtype == torch.float32, "autocast keeps fp32 weights"
@@ -105,9 +96,9 @@ def test_autocast_modes_run_in_low_precision_and_stay_close_to_fp32(mode, dtype,
 
 def _naive_dtypes(ctx):
     model = MLP()
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    engine, *_ = gt.initialize(model, momentum_sgd(model), criterion=F.mse_loss)
     masters = [m.dtype for g in engine.optimizer.param_groups for m in g["params"]]
-    return unwrap(engine.model).fc1.weight.dtype, set(masters), engine(torch.randn(2, 8)).dtype
+    return model.fc1.weight.dtype, set(masters), engine(torch.randn(2, 8)).dtype
 
 
 def test_naive_keeps_fp16_model_and_fp32_masters():
@@ -121,7 +112,7 @@ def test_naive_keeps_fp16_model_and_fp32_masters():
 
 def _apex(ctx):
     model = MLP()
-    gt.initialize(model, sgd(model.parameters()))
+    gt.initialize(model, momentum_sgd(model))
 
 
 def test_apex_missing_names_the_alternatives():

@@ -8,13 +8,13 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine_models import D_IN, MLP, dense_state, global_batches
 from helpers.harness import run_distributed
+from helpers.models import MLP, mlp
+from helpers.runs import Normal, batches, engine_step
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt
 from gridtrain.amp import AMP_TYPE
-from gridtrain.engine.checkpoint.dense import dense_optimizer_state
 
 PM = gt.ParallelMode
 TP2 = dict(parallel=dict(tensor=dict(size=2, mode="1d")))
@@ -28,46 +28,38 @@ def _sched(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def _steps(engine, batches):
-    losses = []
-    for x, y in batches:
-        engine.zero_grad()
-        loss = engine.criterion(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+def _steps(engine, ctx, data):
+    return [engine_step(engine, x, y, ctx) for x, y in data]
 
 
 def _build(ctx, seed):
     """The dense MLP from ``seed``'s weights; the engine shards it as the config says."""
-    model = MLP()
-    model.load_state_dict(dense_state(seed))
+    model = mlp(seed)
     opt = _adam(model.parameters())
     engine, _, _, sched = gt.initialize(
         model,
         opt,
         criterion=F.mse_loss,
         lr_scheduler=_sched(opt),
-        example_inputs=torch.zeros(8, D_IN),  # traced to plan the splits
+        example_inputs=torch.zeros(8, MLP.D_IN),  # traced to plan the splits
     )
     return engine, sched
 
 
 def _round_trip(ctx, path):
-    batches = global_batches(4, 8)
+    data = batches(4, Normal((8, MLP.D_IN)), Normal((8, MLP.D_OUT)))
     engine, sched = _build(ctx, 0)
-    _steps(engine, batches[:3])
+    _steps(engine, ctx, data[:3])
     gt.save_checkpoint(path, 7, engine.model, engine.optimizer, sched)
-    saved_opt = dense_optimizer_state(engine.optimizer, engine.model, ctx)
+    saved_opt = gt.full_optimizer_state_dict(engine.model, engine.optimizer)
     fresh, fresh_sched = _build(ctx, 123)  # different weights before loading
     epoch = gt.load_checkpoint(path, fresh.model, fresh.optimizer, fresh_sched)
-    loaded_opt = dense_optimizer_state(fresh.optimizer, fresh.model, ctx)
+    loaded_opt = gt.full_optimizer_state_dict(fresh.model, fresh.optimizer)
     a, b = gt.full_state_dict(fresh.model), gt.full_state_dict(engine.model)
     same_model = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # one more step from both: equal only if Adam's moments and step count came back
-    _steps(engine, batches[3:])
-    _steps(fresh, batches[3:])
+    _steps(engine, ctx, data[3:])
+    _steps(fresh, ctx, data[3:])
     after = [gt.full_state_dict(e.model) for e in (engine, fresh)]
     return (
         epoch,
@@ -82,7 +74,7 @@ def _round_trip(ctx, path):
 def _load_dense(ctx, path):
     engine, sched = _build(ctx, 5)
     epoch = gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
-    return epoch, dense_optimizer_state(engine.optimizer, engine.model, ctx)
+    return epoch, gt.full_optimizer_state_dict(engine.model, engine.optimizer)
 
 
 def _assert_state_equal(a, b):
@@ -122,7 +114,7 @@ def _train_epochs(ctx, path, fp16, epochs, resume_from, sharded=False):
     losses = {}
     for epoch in range(start, epochs):
         loader.sampler.set_epoch(epoch)
-        losses[epoch] = _steps(engine, [(x.to(ctx.device), y.to(ctx.device)) for x, y in loader])
+        losses[epoch] = _steps(engine, ctx, list(loader))
         gt.save_checkpoint(path, epoch + 1, engine.model, engine.optimizer, sched, sharded)
     scale = getattr(engine.optimizer, "scaler", None)
     return losses, scale.state_dict() if scale is not None else None

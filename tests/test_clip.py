@@ -3,15 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine_models import (
-    dense_state,
-    dense_train,
-    global_batches,
-    rank_slice,
-    sgd,
-    sharded_model,
-)
 from helpers.harness import run_distributed
+from helpers.models import MLP, mlp, momentum_sgd
+from helpers.runs import Normal, batches, engine_run, reference_run
 
 import gridtrain as gt
 from gridtrain.engine.clip import global_grad_norm
@@ -20,38 +14,27 @@ from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 
 PM = gt.ParallelMode
 STEPS, GLOBAL_BATCH, MAX_NORM = 3, 8, 0.05
+DATA = batches(STEPS, Normal((GLOBAL_BATCH, MLP.D_IN)), Normal((GLOBAL_BATCH, MLP.D_OUT)))
 # fp32: the squared norm is summed per shard then all-reduced (other order than torch): ~1e-7
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def _train_clipped(ctx):
-    model = sharded_model(ctx, dense_state())
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
-    rank, world = ctx.local_rank(PM.DATA), ctx.world_size(PM.DATA)
-    norms = []
-    for x, y in global_batches(STEPS, GLOBAL_BATCH):
-        engine.zero_grad()
-        # the hand-sharded model needs no batch split (each tensor rank sees the whole batch)
-        out = engine.forward_split(rank_slice(x, rank, world))
-        engine.backward(engine.compute_loss(out, rank_slice(y, rank, world)))
-        engine.step()
-        norms.append(engine.last_grad_norm.item())
-    return gt.full_state_dict(engine.model), norms
+    return engine_run(ctx, mlp, DATA, F.mse_loss, momentum_sgd)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_clip_equals_torch_on_dense_model_under_tensor_parallelism(world):
     # tensor 2 (fc1 by column, fc2 by row, fc2.bias replicated) x data world/2
     config = dict(parallel=dict(tensor=dict(size=2, mode="1d")), clip_grad_norm=MAX_NORM)
-    results = run_distributed(_train_clipped, world, config=config, timeout=300)
-    ref_state, _, ref_norms = dense_train(
-        dense_state(), global_batches(STEPS, GLOBAL_BATCH), sgd, clip=MAX_NORM
-    )
-    assert min(ref_norms) > MAX_NORM, "the test must actually clip"
-    for state, norms in results:
-        torch.testing.assert_close(torch.tensor(norms), torch.stack(ref_norms), **TOL)
-        for key in ref_state:
-            torch.testing.assert_close(state[key], ref_state[key], **TOL)
+    runs = run_distributed(_train_clipped, world, config=config, timeout=300)
+    ref = reference_run(mlp, DATA, F.mse_loss, momentum_sgd, clip=MAX_NORM)
+    assert min(ref.norms) > MAX_NORM, "the test must actually clip"
+    for run in runs:
+        assert run.shares["fc1.weight"] == 0.5 and run.shares["fc2.bias"] == 1.0, run.shares
+        torch.testing.assert_close(torch.tensor(run.norms), torch.tensor(ref.norms), **TOL)
+        for key in ref.state:
+            torch.testing.assert_close(run.state[key], ref.state[key], **TOL)
 
 
 def _dense_grads(seed, *shapes):
@@ -109,13 +92,8 @@ def test_global_norm_counts_every_shard_once(fn, world, config):
 
 
 def _no_clip_by_default(ctx):
-    model = sharded_model(ctx, dense_state())
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
-    x, y = global_batches(1, 4)[0]
-    engine.backward(engine.compute_loss(engine.forward_split(x), y))
-    engine.step()
-    return engine.last_grad_norm
+    return engine_run(ctx, mlp, DATA[:1], F.mse_loss, momentum_sgd).norms
 
 
 def test_clipping_is_off_when_zero():
-    assert run_distributed(_no_clip_by_default, 1, timeout=300) == [None]
+    assert run_distributed(_no_clip_by_default, 1, timeout=300) == [[None]]

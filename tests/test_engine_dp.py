@@ -3,8 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.engine_models import MLP, dense_state, dense_train, global_batches, rank_slice, sgd
 from helpers.harness import run_distributed
+from helpers.models import MLP, mlp, momentum_sgd
+from helpers.runs import Normal, batches, engine_run, global_losses, reference_run
 
 import gridtrain as gt
 from gridtrain.gradient_handlers import SequenceParallelGradientHandler, handler_class
@@ -14,47 +15,42 @@ from gridtrain.parallel.tags import set_dp_mode
 
 PM = gt.ParallelMode
 STEPS, GLOBAL_BATCH = 3, 8
+DATA = batches(STEPS, Normal((GLOBAL_BATCH, MLP.D_IN)), Normal((GLOBAL_BATCH, MLP.D_OUT)))
 # fp32 gradients summed in a different order (per-rank means, then all-reduce): ~1e-7 relative
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _train_dp(ctx, perturb):
-    state = dense_state()
-    model = MLP()
-    model.load_state_dict(state)
-    if perturb and ctx.global_rank != 0:  # initialize must broadcast rank 0's weights
+def _perturbed(ctx):
+    model = mlp()
+    if ctx.global_rank != 0:  # initialize must broadcast rank 0's weights
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
-    rank, world = ctx.local_rank(PM.DATA), ctx.world_size(PM.DATA)
-    losses = []
-    for x, y in global_batches(STEPS, GLOBAL_BATCH):
-        engine.zero_grad()
-        loss = engine.criterion(engine(rank_slice(x, rank, world)), rank_slice(y, rank, world))
-        engine.backward(loss)
-        assert engine.step()
-        losses.append(loss.item())
-    return (
-        gt.full_state_dict(engine.model),
-        losses,
-        isinstance(engine.grad_sync, OverlappedDataParallel),
-    )
+    return model
+
+
+def _train_dp(ctx):
+    def overlapped(engine):
+        return isinstance(engine.grad_sync, OverlappedDataParallel)
+
+    build = lambda: _perturbed(ctx)  # noqa: E731
+    return engine_run(ctx, build, DATA, F.mse_loss, momentum_sgd, probe=overlapped)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("handler", [None, "DataParallelGradientHandler"])
 def test_data_parallel_equals_one_process(world, handler):
     config = dict(gradient_handler=[dict(type=handler)] if handler else [])
-    results = run_distributed(_train_dp, world, True, config=config, timeout=300)
-    ref_state, ref_losses, _ = dense_train(dense_state(), global_batches(STEPS, GLOBAL_BATCH), sgd)
-    for state, _losses, overlapped in results:
-        assert overlapped == (handler is None), "no handler named -> the overlapped path"
-        for key in ref_state:
-            torch.testing.assert_close(state[key], ref_state[key], **TOL)
+    runs = run_distributed(_train_dp, world, config=config, timeout=300)
+    ref = reference_run(mlp, DATA, F.mse_loss, momentum_sgd)
+    for run in runs:
+        assert run.probed == (handler is None), "no handler named -> the overlapped path"
+        for key in ref.state:
+            torch.testing.assert_close(run.state[key], ref.state[key], **TOL)
+        for key, g in ref.grads[0].items():  # the averaged gradient the optimizer applied
+            torch.testing.assert_close(run.grads[0][key], g, **TOL)
     # mean of the per-rank losses is the global-batch loss (equal shards)
-    per_step = torch.tensor([r[1] for r in results]).mean(0)
-    torch.testing.assert_close(per_step, torch.tensor(ref_losses), **TOL)
+    torch.testing.assert_close(torch.tensor(global_losses(runs)), torch.tensor(ref.losses), **TOL)
 
 
 def _overlap_launches_during_backward(ctx):
@@ -134,10 +130,10 @@ def test_sequence_handler_needs_sequence_mode():
 def _no_sync_before_last_micro_step(ctx):
     torch.manual_seed(0)
     model = MLP()
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    engine, *_ = gt.initialize(model, momentum_sgd(model), criterion=F.mse_loss)
     sent = []
     engine.zero_grad()
-    for x, y in global_batches(4, 4, seed=ctx.global_rank):
+    for x, y in batches(4, Normal((4, MLP.D_IN)), Normal((4, MLP.D_OUT)), seed=ctx.global_rank):
         with comm.count_bytes() as counter:
             engine.backward(engine.criterion(engine(x), y))
         sent.append(counter["all_reduce"])
@@ -178,12 +174,12 @@ def _bad_inputs(ctx, tmp):
     messages = []
     for call in (
         lambda: gt.initialize(model, "sgd"),
-        lambda: gt.initialize("model", sgd(model.parameters())),
+        lambda: gt.initialize("model", momentum_sgd(model)),
     ):
         with pytest.raises(TypeError) as err:
             call()
         messages.append(str(err.value))
-    engine, *_ = gt.initialize(model, sgd(model.parameters()), criterion=F.mse_loss)
+    engine, *_ = gt.initialize(model, momentum_sgd(model), criterion=F.mse_loss)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)))
     checks = [
         (TypeError, lambda: engine.execute_schedule(loader)),

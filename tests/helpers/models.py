@@ -1,10 +1,72 @@
-"""Models the tests share: written in plain PyTorch (no gridtrain layers), small enough for CPU."""
+"""Models the tests share, small enough for CPU: plain PyTorch, except ``tied_lm`` (``gt.nn``
+layers, which are plain modules until ``gt.initialize`` gives them a mode)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import gridtrain as gt
+
+
+class MLP(nn.Module):
+    """Two Linear layers (8 -> 16 -> 4) and a ReLU: under 1d the engine cuts ``fc1`` by
+    column and ``fc2`` by row (its bias replicated)."""
+
+    D_IN, HIDDEN, D_OUT = 8, 16, 4
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(self.D_IN, self.HIDDEN)
+        self.fc2 = nn.Linear(self.HIDDEN, self.D_OUT)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def mlp(seed: int = 0) -> MLP:
+    """The MLP from ``seed`` (float32)."""
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def momentum_sgd(model_or_params, lr: float = 0.1):
+    """SGD with momentum 0.9 (no weight decay): each update is the gradient history."""
+    params = (
+        model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    )
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def tied_lm(depth: int = 8, vocab: int = 16, hidden: int = 8) -> nn.Sequential:
+    """Embedding, ``depth`` Linear/Tanh layers, and a classifier tied to the embedding, from
+    ``gt.nn`` (plain modules: the tensor mode, if any, is applied by ``gt.initialize``).
+    ``depth + 2`` layers, at least 8 so that pipeline 4 x 2 chunks has a layer per part."""
+    emb = gt.nn.VocabParallelEmbedding(vocab, hidden)
+    body: list[nn.Module] = []
+    for i in range(depth):
+        body.append(gt.nn.Linear(hidden, hidden) if i % 2 == 0 else nn.Tanh())
+    head = gt.nn.VocabParallelClassifier(hidden, vocab, weight=emb.weight)
+    return nn.Sequential(emb, *body, head)
+
+
+class LMLoss(nn.Module):
+    """Token cross entropy on [B, S, V] logits through ``gt.nn.CrossEntropyLoss``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ce = gt.nn.CrossEntropyLoss()
+
+    def forward(self, logits, targets):
+        return self.ce(logits.flatten(0, -2), targets.flatten())
+
+
+def two_groups(model: nn.Module) -> list[dict]:
+    """Weights (weight decay 0.01) and the rest (lr 0.05): settings the optimizer keeps."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [dict(params=decay, weight_decay=0.01), dict(params=rest, lr=0.05)]
 
 
 class Attention(nn.Module):

@@ -87,8 +87,11 @@ class Run:
     """One run. ``losses[k]``: step k's loss where this rank sees it (else None); ``grads[k]``:
     the gradient step k applied, by dense name (clipped, if clipping is on); ``optim``: the
     dense optimizer state after the last step (``gt.full_optimizer_state_dict``'s form).
-    Reference only: ``states[k]`` the weights after k steps and ``norms[k]`` the gradient's
-    2-norm before clipping. Engine only: ``shares``, ``plan``."""
+    ``norms[k]``: the gradient's 2-norm before clipping (the engine's ``last_grad_norm``,
+    None where it does not clip). Reference only: ``states[k]``, the weights after k steps.
+    Engine only: ``shares``, ``held`` (parameter elements this rank
+    holds, a tied copy on another pipeline stage included), ``plan``, and ``probed``: what
+    ``engine_run``'s ``probe(engine)`` returned after training."""
 
     losses: list[float | None]
     state: dict[str, Tensor]
@@ -97,7 +100,9 @@ class Run:
     states: list[dict[str, Tensor]] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     shares: dict[str, float] = field(default_factory=dict)
+    held: int = 0
     plan: str = ""
+    probed: Any = None
 
 
 def seeded(build: Callable[[], nn.Module], seed: int = 0, dtype=torch.float64) -> nn.Module:
@@ -184,19 +189,27 @@ def stepped_grads(before: dict | None, after: dict) -> dict[str, Tensor]:
     return grads
 
 
-def engine_run(ctx, build, batches, loss_fn, make_opt, grad_steps: int = 1, **init_kw) -> Run:
+def engine_run(
+    ctx, build, batches, loss_fn, make_opt, grad_steps=1, probe=None, load=None, **init_kw
+) -> Run:
     """``build()`` trained through ``gt.initialize(model, opt, loss_fn, **init_kw)`` on this
     data-parallel rank's rows of each batch: a ``Run`` with this rank's losses, the dense
     weights and optimizer state, the first ``grad_steps`` steps' gradients, this rank's
-    ``shares`` and the printed plan. Collective: every rank gathers the same tensors."""
+    ``shares`` and the printed plan. ``load``: a dense state given to
+    ``gt.load_full_state_dict`` right after ``gt.initialize`` (a ``gt.lazy_init`` model has
+    no weights before it). Collective: every rank gathers the same tensors."""
     model = build()
     dense = {n: p.numel() for n, p in model.named_parameters()}
     opt, sched = _optimizer(make_opt(model))
     engine, *_ = gt.initialize(model, opt, loss_fn, lr_scheduler=sched, **init_kw)
+    if load is not None:
+        gt.load_full_state_dict(engine.model, load)
     run = Run([], {}, [], {})
     before = None
     for step, batch in enumerate(batches):
         run.losses.append(engine_step(engine, *data_rows(batch, ctx), ctx))
+        norm = engine.last_grad_norm
+        run.norms.append(None if norm is None else float(norm))
         if step < grad_steps:
             after = gt.full_optimizer_state_dict(engine.model, engine.optimizer)
             run.grads.append(stepped_grads(before, after))
@@ -204,6 +217,8 @@ def engine_run(ctx, build, batches, loss_fn, make_opt, grad_steps: int = 1, **in
     run.optim = gt.full_optimizer_state_dict(engine.model, engine.optimizer)
     run.state = gt.full_state_dict(engine.model)
     run.shares, run.plan = shares(engine, dense), str(engine.plan)
+    run.held = sum(local_numel(p) for p in engine.model.parameters())
+    run.probed = probe(engine) if probe is not None else None
     return run
 
 
@@ -253,9 +268,10 @@ def global_loss(per_rank: list[float | None]) -> float:
     return sum(seen) / len(seen)
 
 
-def global_losses(runs: list[Run]) -> list[float]:
-    """The global loss of each step from every rank's run."""
-    return [global_loss(list(step)) for step in zip(*(r.losses for r in runs), strict=True)]
+def global_losses(runs: list) -> list[float]:
+    """The global loss of each step from every rank's run (a ``Run`` or its list of losses)."""
+    per_rank = [r.losses if isinstance(r, Run) else r for r in runs]
+    return [global_loss(list(step)) for step in zip(*per_rank, strict=True)]
 
 
 def local_numel(t: Tensor) -> int:
