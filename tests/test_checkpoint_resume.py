@@ -7,28 +7,44 @@ import os
 import time
 
 import torch
-from helpers.checkpoint_models import D_IN, N_CLASSES, batches, build, dense_state, step
 from helpers.harness import run_distributed
+from helpers.models import adamw_halving, classifier_net
+from helpers.runs import Ints, Normal, batches, engine_step, start_engine
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt
 from gridtrain.engine import LoadCheckpointHook, LossHook, SaveCheckpointHook, Trainer
-from gridtrain.engine.checkpoint import files, latest_checkpoint, load_checkpoint, save_checkpoint
+from gridtrain.engine.checkpoint import files
 
 TIMEOUT = 300
 TP2 = dict(parallel=dict(tensor=dict(size=2, mode="1d")))
+D_IN, N_CLASSES = 16, 8
+
+
+def _engine(dropout: float, state=None):
+    """Engine with AdamW and a halving LR, weights from ``state`` (else a seed-7 init)."""
+    torch.manual_seed(7)
+    model = classifier_net(dropout=dropout)
+    example = torch.zeros(8, D_IN)  # the engine traces the data flow to plan the splits
+    loss = gt.nn.CrossEntropyLoss()
+    return start_engine(model, loss, adamw_halving, state, example_inputs=example)
+
+
+def _dense_state(dropout: float) -> dict:
+    torch.manual_seed(0)
+    return classifier_net(dropout=dropout).state_dict()
 
 
 def _dropout_run(ctx, path, sharded, resume):
     """Dropout 0.5 inside the tensor-parallel MLP: (loss of step 3, losses of steps 1-2)."""
-    data = batches(3)
-    engine, sched = build(ctx, None if resume else dense_state(0, dropout=0.5), dropout=0.5)
+    data = batches(3, Normal((8, D_IN)), Ints(N_CLASSES, (8,)))
+    engine, sched = _engine(0.5, None if resume else _dense_state(0.5))
     if resume:
-        load_checkpoint(path, engine.model, engine.optimizer, sched)
-        return step(engine, *data[2]), None
-    first = [step(engine, x, y) for x, y in data[:2]]
-    save_checkpoint(path, 2, engine.model, engine.optimizer, sched, sharded)
-    return step(engine, *data[2]), first
+        gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
+        return engine_step(engine, *data[2], ctx), None
+    first = [engine_step(engine, x, y, ctx) for x, y in data[:2]]
+    gt.save_checkpoint(path, 2, engine.model, engine.optimizer, sched, sharded)
+    return engine_step(engine, *data[2], ctx), first
 
 
 def test_resume_with_dropout_gives_the_bit_identical_next_loss(tmp_path):
@@ -54,9 +70,7 @@ def _fit(ctx, ckpt_dir, epochs, auto_resume, async_save):
         torch.randn(SAMPLES, D_IN, generator=g), torch.randint(N_CLASSES, (SAMPLES,), generator=g)
     )
     loader = gt.data.get_dataloader(data, BATCH, shuffle=True, seed=5)
-    engine, _ = build(
-        ctx, dense_state(0, dropout=0.25), dropout=0.25
-    )  # the engine steps its LR scheduler
+    engine, _ = _engine(0.25, _dense_state(0.25))  # the engine steps its LR scheduler
     hooks = [LossHook(), SaveCheckpointHook(1, ckpt_dir, async_save=async_save)]
     if auto_resume:
         hooks.append(LoadCheckpointHook(ckpt_dir, path="auto"))
@@ -64,7 +78,7 @@ def _fit(ctx, ckpt_dir, epochs, auto_resume, async_save):
     trainer.fit(loader, epochs=epochs, hooks=hooks)
     losses = trainer.states["metrics"]["train"]["loss"].step
     return dict(
-        state=gt.full_state_dict(engine.model, ctx),
+        state=gt.full_state_dict(engine.model),
         losses=list(losses),
         steps=trainer.cur_step,
         global_step=engine.global_step,
@@ -94,21 +108,21 @@ def test_hooks_save_sharded_and_resume_from_the_latest_by_themselves(tmp_path):
 
 
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
-    assert latest_checkpoint(tmp_path / "missing") is None
-    assert latest_checkpoint(tmp_path) is None
+    assert gt.latest_checkpoint(tmp_path / "missing") is None
+    assert gt.latest_checkpoint(tmp_path) is None
     dense = tmp_path / "b.pt"
     files.atomic_torch_save({"format": 1}, dense)
     time.sleep(0.01)
     sharded = tmp_path / "a"
     sharded.mkdir()
     (sharded / files.MARKER).write_text("{}")
-    assert latest_checkpoint(tmp_path) == sharded, "newest by completion, not by name"
+    assert gt.latest_checkpoint(tmp_path) == sharded, "newest by completion, not by name"
     time.sleep(0.01)
     (tmp_path / "c").mkdir()  # no marker: an incomplete or foreign directory
     (tmp_path / ".d.tmp-gt.1@h.x").mkdir()  # a temporary in flight
     (tmp_path / ".d.tmp-gt.1@h.x" / files.MARKER).write_text("{}")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "link.pt").symlink_to(dense)
-    assert latest_checkpoint(tmp_path) == sharded
+    assert gt.latest_checkpoint(tmp_path) == sharded
     os.utime(dense)  # rewritten later
-    assert latest_checkpoint(tmp_path) == dense
+    assert gt.latest_checkpoint(tmp_path) == dense

@@ -15,24 +15,58 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.checkpoint_models import (
-    batches,
-    build,
-    dense_run,
-    dense_state,
-    load_and_continue,
-    step,
-)
 from helpers.harness import run_distributed
+from helpers.models import adamw_halving, classifier_net
+from helpers.runs import Ints, Normal, batches, data_rows, engine_step, reference_run, start_engine
+from torch.distributed.checkpoint import FileSystemReader
 
 import gridtrain as gt
-from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
-from gridtrain.engine.checkpoint.dense import dense_optimizer_state
-from gridtrain.engine.checkpoint.sharded import _SafeReader
 from gridtrain.parallel.sharding import shard_tensor
 from gridtrain.parallel.tags import set_shard_spec
 
 TIMEOUT = 300
+D_IN, BATCH = 16, 8
+
+
+def _data(steps: int) -> list:
+    return batches(steps, Normal((BATCH, D_IN)), Ints(8, (BATCH,)))
+
+
+def _net(seed: int = 7, hidden: int = 32):
+    torch.manual_seed(seed)
+    return classifier_net(hidden)
+
+
+def dense_state(seed: int = 0, hidden: int = 32) -> dict:
+    return _net(seed, hidden).state_dict()
+
+
+def build(ctx, state=None, hidden: int = 32):
+    """Engine with AdamW and a halving LR, weights from ``state`` (else a seed-7 init)."""
+    example = torch.zeros(BATCH, D_IN)  # the engine traces the data flow to plan the splits
+    model = _net(7, hidden)
+    return start_engine(
+        model, gt.nn.CrossEntropyLoss(), adamw_halving, state, example_inputs=example
+    )
+
+
+def step(engine, ctx, x, y) -> float | None:
+    """One optimizer step on the whole global batch (every data-parallel replica the same)."""
+    return engine_step(engine, x, y, ctx)
+
+
+def load_and_continue(ctx, path, data):
+    """Load into a fresh model (another init), then train on ``data``: (epoch, losses, dense
+    state after loading, dense optimizer state after loading, dense state at the end, lr)."""
+    engine, sched = build(ctx)
+    epoch = gt.load_checkpoint(path, engine.model, engine.optimizer, sched)
+    loaded = gt.full_state_dict(engine.model)
+    loaded_opt = gt.full_optimizer_state_dict(engine.model, engine.optimizer)["state"]
+    lr = engine.optimizer.param_groups[0]["lr"]
+    losses = [step(engine, ctx, x, y) for x, y in data]
+    return epoch, losses, loaded, loaded_opt, gt.full_state_dict(engine.model), lr
+
+
 LAYOUTS = {
     "3d-8": (8, dict(parallel=dict(tensor=dict(size=8, mode="3d")))),
     "1d2-x-pp2": (
@@ -55,14 +89,16 @@ def _close(got, want, what):
 
 def _train_2d_and_save(ctx, state, data, path):
     engine, sched = build(ctx, state)
-    losses = [step(engine, x, y) for x, y in data]
-    save_checkpoint(path, len(data), engine.model, engine.optimizer, sched, sharded=True)
+    losses = [step(engine, ctx, x, y) for x, y in data]
+    gt.save_checkpoint(path, len(data), engine.model, engine.optimizer, sched, sharded=True)
     return losses
 
 
 def test_2d_checkpoint_resumes_under_3d_pipeline_and_one_process(tmp_path):
-    state, data = dense_state(0), batches(3)
-    ref = run_distributed(dense_run, 1, state, data, timeout=TIMEOUT)[0]
+    state, data = dense_state(0), _data(3)
+    loss = gt.nn.CrossEntropyLoss()
+    ref = reference_run(lambda: _net(0), data, loss, adamw_halving)  # plain PyTorch
+    ref_opt = reference_run(lambda: _net(0), data[:2], loss, adamw_halving).optim["state"]
     path = str(tmp_path / "ckpt")
     two_d = dict(parallel=dict(tensor=dict(size=4, mode="2d")))
     run_distributed(_train_2d_and_save, 4, state, data[:2], path, config=two_d, timeout=TIMEOUT)
@@ -73,21 +109,21 @@ def test_2d_checkpoint_resumes_under_3d_pipeline_and_one_process(tmp_path):
         )
         for epoch, _, loaded, loaded_opt, final, lr in results:
             assert epoch == 2 and lr == pytest.approx(1e-2 * 0.5**2), name  # scheduler resumed
-            _close(loaded, ref[1][1], f"{name}: weights after loading")
-            assert loaded_opt.keys() == ref[1][2].keys(), name
-            for param, moments in ref[1][2].items():
+            _close(loaded, ref.states[2], f"{name}: weights after loading")
+            assert loaded_opt.keys() == ref_opt.keys(), name
+            for param, moments in ref_opt.items():
                 _close(loaded_opt[param], moments, f"{name}: {param} optimizer state")
-            _close(final, ref[2][1], f"{name}: weights after the third step")
+            _close(final, ref.states[3], f"{name}: weights after the third step")
         # the last rank sees the loss in every layout (a pipeline's last stage)
-        assert results[-1][1][0] == pytest.approx(ref[2][0], rel=1e-5), name
+        assert results[-1][1][0] == pytest.approx(ref.losses[2], rel=1e-5), name
 
 
 def _save_replicated(ctx, state, path):
     engine, sched = build(ctx, state, hidden=4096)
-    step(engine, *batches(1)[0])
-    save_checkpoint(path, 1, engine.model, engine.optimizer, sched, sharded=True)
-    full = gt.full_state_dict(engine.model, ctx)
-    opt = dense_optimizer_state(engine.optimizer, engine.model, ctx)["state"]
+    step(engine, ctx, *_data(1)[0])
+    gt.save_checkpoint(path, 1, engine.model, engine.optimizer, sched, sharded=True)
+    full = gt.full_state_dict(engine.model)
+    opt = gt.full_optimizer_state_dict(engine.model, engine.optimizer)["state"]
     return sum(t.numel() * t.element_size() for t in full.values()) + sum(
         t.numel() * t.element_size() for s in opt.values() for t in s.values()
     )
@@ -102,7 +138,7 @@ def test_written_bytes_are_one_copy_of_the_state(tmp_path):
         _save_replicated, 8, state, str(path), config=config, timeout=TIMEOUT
     )[0]
     # exactly: the chunks DCP recorded tile each dense tensor once
-    metadata = _SafeReader(path).read_metadata().state_dict_metadata
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     recorded = sum(
         chunk.sizes.numel() * meta.properties.dtype.itemsize
         for meta in metadata.values()
@@ -142,15 +178,15 @@ def _fused_save(ctx, dense, path):
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     (model.qkv * (ctx.global_rank + 1)).sum().backward()
     opt.step()
-    save_checkpoint(path, 1, model, opt, sharded=True)
-    return gt.full_state_dict(model, ctx), dense_optimizer_state(opt, model, ctx)["state"]
+    gt.save_checkpoint(path, 1, model, opt, sharded=True)
+    return gt.full_state_dict(model), gt.full_optimizer_state_dict(model, opt)["state"]
 
 
 def _fused_load(ctx, path):
     model = _Fused(ctx, torch.zeros(24, 8))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    load_checkpoint(path, model, opt)
-    return gt.full_state_dict(model, ctx), dense_optimizer_state(opt, model, ctx)["state"]
+    gt.load_checkpoint(path, model, opt)
+    return gt.full_state_dict(model), gt.full_optimizer_state_dict(model, opt)["state"]
 
 
 def test_packed_blocks_are_saved_as_one_chunk_per_block_and_reshard(tmp_path):
@@ -160,7 +196,7 @@ def test_packed_blocks_are_saved_as_one_chunk_per_block_and_reshard(tmp_path):
     saved, saved_opt = run_distributed(_fused_save, 2, dense, path, config=tp(2), timeout=TIMEOUT)[
         0
     ]
-    chunks = _SafeReader(path).read_metadata().state_dict_metadata["model/qkv"].chunks
+    chunks = FileSystemReader(path).read_metadata().state_dict_metadata["model/qkv"].chunks
     assert sorted(c.offsets[0] for c in chunks) == [0, 4, 8, 12, 16, 20], "3 blocks x 2 ranks"
     for world in (4, 1):
         for got, got_opt in run_distributed(
@@ -189,31 +225,23 @@ def _moe_model(seed):
     return engine
 
 
-def _moe_step(engine, ctx):
-    g = torch.Generator().manual_seed(11)
-    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
-    d, r = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
-    engine.zero_grad()
-    engine.backward(engine.criterion(engine(x.chunk(d)[r]), y.chunk(d)[r]))
-    engine.step()
-
-
 def _moe_save(ctx, path):
     engine = _moe_model(5)
-    _moe_step(engine, ctx)
-    save_checkpoint(path, 1, engine.model, engine.optimizer, sharded=True)
+    (batch,) = batches(1, Normal((8, 3, 8, 8)), Ints(10, (8,)), seed=11)
+    engine_step(engine, *data_rows(batch, ctx), ctx)
+    gt.save_checkpoint(path, 1, engine.model, engine.optimizer, sharded=True)
     return (
-        gt.full_state_dict(engine.model, ctx),
-        dense_optimizer_state(engine.optimizer, engine.model, ctx)["state"],
+        gt.full_state_dict(engine.model),
+        gt.full_optimizer_state_dict(engine.model, engine.optimizer)["state"],
     )
 
 
 def _moe_load(ctx, path):
     engine = _moe_model(99)  # another init: everything must come from the checkpoint
-    load_checkpoint(path, engine.model, engine.optimizer)
+    gt.load_checkpoint(path, engine.model, engine.optimizer)
     return (
-        gt.full_state_dict(engine.model, ctx),
-        dense_optimizer_state(engine.optimizer, engine.model, ctx)["state"],
+        gt.full_state_dict(engine.model),
+        gt.full_optimizer_state_dict(engine.model, engine.optimizer)["state"],
     )
 
 
@@ -234,20 +262,22 @@ def test_expert_shards_reshard_between_expert_parallel_sizes(tmp_path):
 # ---- asynchronous save -------------------------------------------------------------------------
 def _async_save_then_train(ctx, state, path):
     engine, sched = build(ctx, state)
-    data = batches(3)
+    data = _data(3)
     for x, y in data[:2]:
-        step(engine, x, y)
-    at_save = gt.full_state_dict(engine.model, ctx)
-    handle = save_checkpoint(path, 2, engine.model, engine.optimizer, sched, True, True)
-    step(engine, *data[2])  # training goes on while the shards are written
+        step(engine, ctx, x, y)
+    at_save = gt.full_state_dict(engine.model)
+    handle = gt.save_checkpoint(
+        path, 2, engine.model, engine.optimizer, sched, sharded=True, async_save=True
+    )
+    step(engine, ctx, *data[2])  # training goes on while the shards are written
     assert handle.wait() == Path(path) and handle.done()
     fresh, fresh_sched = build(ctx)
-    epoch = load_checkpoint(path, fresh.model, fresh.optimizer, fresh_sched)
-    loaded = gt.full_state_dict(fresh.model, ctx)
+    epoch = gt.load_checkpoint(path, fresh.model, fresh.optimizer, fresh_sched)
+    loaded = gt.full_state_dict(fresh.model)
     same = all(torch.equal(loaded[k], v) for k, v in at_save.items())
     # and the resumed third step equals the one taken after the save
-    step(fresh, *data[2])
-    after = [gt.full_state_dict(e.model, ctx) for e in (engine, fresh)]
+    step(fresh, ctx, *data[2])
+    after = [gt.full_state_dict(e.model) for e in (engine, fresh)]
     resumed = all(torch.equal(after[0][k], after[1][k]) for k in after[0])
     return epoch, same, resumed, handle.stall_s
 

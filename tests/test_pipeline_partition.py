@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
-from helpers.pipeline_models import LMLoss, batches, tied_lm
+from helpers.models import LMLoss, tied_lm
+from helpers.runs import Ints, batches
 from torch import nn
 
 import gridtrain as gt
@@ -137,7 +138,7 @@ def _init(ctx, model_kind="lm", batch=8):
     model = tied_lm() if model_kind == "lm" else nn.Sequential(nn.Linear(2, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, *_ = gt.initialize(model, opt, LMLoss(), ctx=ctx)
-    x, y = batches(1, batch)[0]
+    x, y = batches(1, Ints(16, (batch, 3)), Ints(16, (batch, 3)))[0]
     engine.execute_schedule(iter([(x, y)]))
 
 

@@ -39,6 +39,22 @@ def momentum_sgd(model_or_params, lr: float = 0.1):
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
+def classifier_net(hidden: int = 32, dropout: float = 0.0, d_in: int = 16) -> nn.Sequential:
+    """Linear, GELU, (Dropout), Linear, LayerNorm, Classifier (8 classes), from ``gt.nn``:
+    every parameter kind of a block, as a Sequential a pipeline can cut."""
+    layers: list[nn.Module] = [gt.nn.Linear(d_in, hidden), nn.GELU()]
+    if dropout:
+        layers.append(gt.nn.Dropout(dropout))
+    layers += [gt.nn.Linear(hidden, d_in), gt.nn.LayerNorm(d_in), gt.nn.Classifier(d_in, 8)]
+    return nn.Sequential(*layers)
+
+
+def adamw_halving(model: nn.Module, lr: float = 1e-2):
+    """AdamW (weight decay 0.1) and an LR halved after every step (state to resume)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
 def tied_lm(depth: int = 8, vocab: int = 16, hidden: int = 8) -> nn.Sequential:
     """Embedding, ``depth`` Linear/Tanh layers, and a classifier tied to the embedding, from
     ``gt.nn`` (plain modules: the tensor mode, if any, is applied by ``gt.initialize``).
@@ -148,13 +164,3 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
-
-
-def tiny_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
-    """``steps`` (ids, next-token labels) pairs drawn from a fixed seed."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out

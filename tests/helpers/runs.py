@@ -90,8 +90,10 @@ class Run:
     ``norms[k]``: the gradient's 2-norm before clipping (the engine's ``last_grad_norm``,
     None where it does not clip). Reference only: ``states[k]``, the weights after k steps.
     Engine only: ``shares``, ``held`` (parameter elements this rank
-    holds, a tied copy on another pipeline stage included), ``plan``, and ``probed``: what
-    ``engine_run``'s ``probe(engine)`` returned after training."""
+    holds, a tied copy on another pipeline stage included), ``plan``; ``watched[k]``: what
+    ``engine_run``'s ``watch(engine, outputs)`` returned after step k (``outputs``: the
+    step's model outputs, none under a pipeline) and ``probed``: what ``probe(engine)``
+    returned after training."""
 
     losses: list[float | None]
     state: dict[str, Tensor]
@@ -102,6 +104,7 @@ class Run:
     shares: dict[str, float] = field(default_factory=dict)
     held: int = 0
     plan: str = ""
+    watched: list = field(default_factory=list)
     probed: Any = None
 
 
@@ -190,7 +193,16 @@ def stepped_grads(before: dict | None, after: dict) -> dict[str, Tensor]:
 
 
 def engine_run(
-    ctx, build, batches, loss_fn, make_opt, grad_steps=1, probe=None, load=None, **init_kw
+    ctx,
+    build,
+    batches,
+    loss_fn,
+    make_opt,
+    grad_steps=1,
+    probe=None,
+    watch=None,
+    load=None,
+    **init_kw,
 ) -> Run:
     """``build()`` trained through ``gt.initialize(model, opt, loss_fn, **init_kw)`` on this
     data-parallel rank's rows of each batch: a ``Run`` with this rank's losses, the dense
@@ -200,14 +212,14 @@ def engine_run(
     no weights before it). Collective: every rank gathers the same tensors."""
     model = build()
     dense = {n: p.numel() for n, p in model.named_parameters()}
-    opt, sched = _optimizer(make_opt(model))
-    engine, *_ = gt.initialize(model, opt, loss_fn, lr_scheduler=sched, **init_kw)
-    if load is not None:
-        gt.load_full_state_dict(engine.model, load)
+    engine, _ = start_engine(model, loss_fn, make_opt, load, **init_kw)
     run = Run([], {}, [], {})
     before = None
     for step, batch in enumerate(batches):
-        run.losses.append(engine_step(engine, *data_rows(batch, ctx), ctx))
+        outputs: list = []
+        run.losses.append(engine_step(engine, *data_rows(batch, ctx), ctx, outputs))
+        if watch is not None:
+            run.watched.append(watch(engine, outputs))
         norm = engine.last_grad_norm
         run.norms.append(None if norm is None else float(norm))
         if step < grad_steps:
@@ -220,6 +232,17 @@ def engine_run(
     run.held = sum(local_numel(p) for p in engine.model.parameters())
     run.probed = probe(engine) if probe is not None else None
     return run
+
+
+def start_engine(model, loss_fn, make_opt, load=None, **init_kw) -> tuple:
+    """``(engine, lr scheduler or None)``: ``gt.initialize(model, optimizer, loss_fn,
+    lr_scheduler=..., **init_kw)`` with ``make_opt(model)``'s optimizer (and scheduler); then
+    ``gt.load_full_state_dict`` of ``load``, if given."""
+    opt, sched = _optimizer(make_opt(model))
+    engine, *_ = gt.initialize(model, opt, loss_fn, lr_scheduler=sched, **init_kw)
+    if load is not None:
+        gt.load_full_state_dict(engine.model, load)
+    return engine, sched
 
 
 def engine_step(engine, x, y, ctx, outputs: list | None = None) -> float | None:
