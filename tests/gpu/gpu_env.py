@@ -1,4 +1,5 @@
-"""What the one-GPU tests share: the device they run on and how errors are measured."""
+"""What the one-GPU tests share: the device they run on, how errors are measured, and the small
+GPT most of them train (with the parity harness, ``helpers/runs.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,30 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # demos.gpt
     sys.path.insert(0, str(REPO))
 
+from helpers.runs import token_batches  # noqa: E402
+
+from demos.gpt import model as gpt_model  # noqa: E402
+
 DEVICE_ENV = "GT_TEST_DEVICE"
+# a GPT of 2 blocks of 4 heads x 16: big enough for real kernels, small enough for CPU debugging
+CFG = gpt_model.preset("tiny", n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=128)
+STEPS, BATCH, SEQ = 4, 8, 32
+
+
+def gpt(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The GPT (its own seeded init), in ``dtype``."""
+    return gpt_model.GPT(CFG).to(dtype)
+
+
+def gpt_batches(steps: int = STEPS) -> list[tuple[Tensor, Tensor]]:
+    """(ids, next-token labels) pairs from a fixed seed, on the CPU."""
+    return token_batches(steps, BATCH, SEQ, CFG.vocab_size, seed=0)
+
+
+def sgd(model: torch.nn.Module):
+    """Momentum SGD: the update is proportional to the gradients, so weight errors measure
+    gradient errors (Adam's normalised step would hide them)."""
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
 
 def device_kind() -> str:

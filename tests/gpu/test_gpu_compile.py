@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt_runs import CFG, SEQ, batches, make_engine, train_with_grads
-from gpu_env import assert_runs_close, rel_errs
+from gpu_env import CFG, SEQ, assert_runs_close, gpt_batches, rel_errs, sgd
 from helpers.models import TinyTransformer
+from helpers.runs import engine_run
 
 import gridtrain as gt
+from demos.gpt import model as gpt_model
 from gridtrain.amp import AMP_TYPE
-from gridtrain.parallel.sharding import unwrap
 
 pytest.importorskip("gridtrain.engine.compile", reason="the compile config key is not here yet")
 
@@ -25,19 +25,17 @@ def _model():
     return TinyTransformer(vocab=CFG.vocab_size, hidden=64, layers=2, seq=SEQ, fused=True)
 
 
-def _run(launch, device, compiled: bool, fp16):
+def _run(launch, compiled: bool, fp16):
     config = dict(fp16=fp16) if fp16 else {}
     if compiled:
         config["compile"] = dict(backend="inductor")
-    launch(config)
+    ctx = launch(config)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    engine = make_engine(_model())
-    losses, grads, _ = train_with_grads(engine, batches(STEPS), device)
-    final = {n: p.detach().float().cpu() for n, p in unwrap(engine.model).named_parameters()}
+    run = engine_run(ctx, _model, gpt_batches(STEPS), gpt_model.GPTLoss(), sgd)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     gt.destroy()  # the next run launches its own context
-    return losses, grads, final, graphs
+    return run.losses, run.grads[0], {k: v.float() for k, v in run.state.items()}, graphs
 
 
 # mode -> (fp16 section, loss tolerance, gradient and update tolerance ||err|| / ||ref||).
@@ -53,11 +51,11 @@ MODES = {
 
 
 @pytest.mark.parametrize("name", list(MODES))
-def test_compiled_engine_trains_as_eager(name, launch, device):
+def test_compiled_engine_trains_as_eager(name, launch):
     fp16, loss_tol, tol = MODES[name]
-    start = {n: p.detach().float() for n, p in _model().named_parameters()}
-    e_losses, e_grads, e_final, _ = _run(launch, device, False, fp16)
-    c_losses, c_grads, c_final, graphs = _run(launch, device, True, fp16)
+    start = {n: t.float() for n, t in _model().state_dict().items()}
+    e_losses, e_grads, e_final, _ = _run(launch, False, fp16)
+    c_losses, c_grads, c_final, graphs = _run(launch, True, fp16)
     assert graphs >= 1, "nothing was compiled"
     print(f"\n{name}: compiled {c_losses}\n  eager {e_losses}")
     assert_runs_close(name, c_losses, e_losses, loss_tol, c_grads, e_grads, tol)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt_runs import STEPS, batches, initial_params, make_engine, params, reference, train
-from gpu_env import ON_CUDA, rel_errs
+from gpu_env import ON_CUDA, STEPS, gpt, gpt_batches, rel_errs, sgd
+from helpers.runs import engine_run, reference_run
 
+from demos.gpt import model as gpt_model
 from gridtrain.amp import AMP_TYPE
-from gridtrain.parallel.sharding import unwrap
 
 # mode -> (fp16 section, forward output dtype, loss tolerance, update tolerance). The
 # tolerances are ~10x the errors measured with GT_TEST_DEVICE=cpu (given per mode as loss /
@@ -34,46 +34,54 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def ref():
-    data = batches()
-    return data, *reference(data)
+    """The same GPT trained by plain PyTorch in float64 on the CPU."""
+    data = gpt_batches()
+    return data, reference_run(lambda: gpt(torch.float64), data, gpt_model.GPTLoss(), sgd)
+
+
+def _taken_and_dtype(engine, outputs):
+    return not engine.last_step_skipped, outputs[0].dtype
+
+
+def _dtypes_and_devices(engine):
+    """The model's parameters and the optimizer's (under naive fp16: its fp32 masters)."""
+    model = {(p.dtype, p.device.type) for p in engine.model.parameters()}
+    stepped = {(p.dtype, p.device.type) for g in engine.optimizer.param_groups for p in g["params"]}
+    return model, stepped
 
 
 @pytest.mark.parametrize("name", list(MODES))
 def test_precision_mode_tracks_float64(name, ref, launch, device):
     fp16, out_dtype, loss_tol, upd_tol = MODES[name]
-    data, ref_losses, ref_params = ref
+    data, want = ref
     ctx = launch(dict(fp16=fp16) if fp16 else {})
-    engine = make_engine()
-    record = train(engine, data, device)
-    losses = [r[0] for r in record]
-    print(f"\n{name}: losses {losses}\n  float64 {ref_losses}")
+    run = engine_run(
+        ctx, gpt, data, gpt_model.GPTLoss(), sgd, watch=_taken_and_dtype, probe=_dtypes_and_devices
+    )
+    print(f"\n{name}: losses {run.losses}\n  float64 {want.losses}")
 
-    assert all(r[1] for r in record), f"{name}: a step was skipped (overflow or non-finite)"
+    assert all(taken for taken, _ in run.watched), f"{name}: a step was skipped"
     expected_out = out_dtype
     if name == "torch fp16" and not ON_CUDA:  # fp16 autocast on a CPU without it runs bf16
         from gridtrain.amp.torch_amp import autocast_dtype
 
         expected_out = autocast_dtype(ctx.device, torch.float16)
-    assert {r[2] for r in record} == {expected_out}, f"{name}: forward output dtypes {record}"
-    model_dtypes = {p.dtype for p in unwrap(engine.model).parameters()}
-    model_devices = {p.device.type for p in unwrap(engine.model).parameters()}
-    assert model_devices == {device.type}, model_devices
+    assert {d for _, d in run.watched} == {expected_out}, f"{name}: outputs {run.watched}"
+    model, stepped = run.probed
     if name == "naive fp16":
-        masters = engine.optimizer.masters()
-        assert model_dtypes == {torch.float16}, "naive keeps the model in fp16"
-        assert {m.dtype for _, m in masters} == {torch.float32}, "and fp32 master weights"
-        assert {m.device.type for _, m in masters} == {device.type}, "masters on the device"
+        assert model == {(torch.float16, device.type)}, "naive keeps the model in fp16"
+        assert stepped == {(torch.float32, device.type)}, "and fp32 masters, on the device"
     else:
-        assert model_dtypes == {torch.float32}, "fp32 and autocast modes keep fp32 weights"
+        assert model == {(torch.float32, device.type)}, "fp32 and autocast keep fp32 weights"
 
-    for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert abs(got - want) < loss_tol, (name, step, got, want)
-    start, got_params = initial_params(), params(engine)
-    assert got_params.keys() == ref_params.keys()
-    got_upd = {k: got_params[k].double() - start[k] for k in start}
-    errs = rel_errs(got_upd, {k: ref_params[k] - start[k] for k in start})
+    for step, (got, w) in enumerate(zip(run.losses, want.losses, strict=True)):
+        assert abs(got - w) < loss_tol, (name, step, got, w)
+    start = want.states[0]  # gt.full_state_dict: the fp32 masters under naive fp16
+    assert run.state.keys() == start.keys()
+    got_upd = {k: run.state[k].double() - start[k] for k in start}
+    errs = rel_errs(got_upd, {k: want.state[k] - start[k] for k in start})
     worst = max(errs, key=errs.get)
     print(f"  worst update error {worst}: {errs[worst]:.2e}")
     for k, err in errs.items():
         assert err < upd_tol, (name, k, err)
-    assert len(losses) == STEPS
+    assert len(run.losses) == STEPS
