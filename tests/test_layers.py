@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
-from helpers.parity import layer_parity, randn
+from helpers.layer_parity import layer_parity, randn
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 

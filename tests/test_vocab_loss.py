@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.parity import cut, max_err, randn
+from helpers.layer_parity import cut, max_err, randn
 
 import gridtrain as gt
 from gridtrain.parallel.tensor.registry import split_batch

@@ -1,4 +1,4 @@
-"""The one parity harness: a sharded layer or a whole engine against its dense twin.
+"""Layer parity: one sharded layer against its dense twin (whole models: ``runs.py``).
 
 *Layouts.* ``cut(t, layout, ctx)`` is this rank's piece of a full tensor laid
 out as a tensor mode keeps its activations, so a test can feed a sharded layer
@@ -14,17 +14,10 @@ cut of the dense result:
 
 *Layers.* ``layer_parity`` runs one dense layer and its sharded twin on the same
 input and cotangent: output, input gradient and every shard's weight gradient.
-
-*Training.* ``train_dense`` and ``train_engine`` run the same model, batches and
-optimizer in one plain process and through ``gt.initialize`` (its steps are ``runs``'s,
-the core every whole-model parity test shares); ``shares`` reports
-how much of each dense parameter a rank holds, so a test can prove the model was
-really cut.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +25,11 @@ import torch
 from torch import Tensor, nn
 
 import gridtrain as gt
-from gridtrain.parallel.sharding import full_tensor, shard_tensor
+from gridtrain.parallel.sharding import shard_tensor
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.mode_2d import SummaGrid
 from gridtrain.parallel.tensor.mode_3d.cube import INPUT, OUTPUT, WEIGHT
 from gridtrain.parallel.tensor.registry import split_batch
-from helpers.runs import data_rows, engine_step
 
 PM = gt.ParallelMode
 
@@ -128,61 +120,3 @@ def _copy(module: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(module)
-
-
-# ---- whole-model training --------------------------------------------------------------------
-def seeded(build: Callable[[], nn.Module], seed: int = 0, dtype=torch.float64) -> nn.Module:
-    torch.manual_seed(seed)
-    return build().to(dtype)
-
-
-def train_dense(model, batches, loss_fn, make_opt, steps: int | None = None):
-    """Losses, first-step gradients and final state of ``model`` trained in one process."""
-    opt = make_opt(model)
-    losses, grads = [], None
-    for x, y in batches[:steps]:
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def train_engine(ctx, model, batches, loss_fn, make_opt, data_split: bool = True, **init_kw):
-    """The same through ``gt.initialize``: losses, first-step full gradients, full state dict,
-    the plan's text and this rank's share of each dense parameter (``shares``)."""
-    opt = make_opt(model)
-    engine, *_ = gt.initialize(model, opt, loss_fn, **init_kw)
-    losses, grads = [], None
-    pipeline = ctx.world_size(PM.PIPELINE) > 1
-    for batch in batches:
-        losses.append(engine_step(engine, *(data_rows(batch, ctx) if data_split else batch), ctx))
-        if grads is None and not pipeline:  # after step: data-parallel averaged, unclipped
-            grads = full_grads(engine.model, ctx)
-    return losses, grads, gt.full_state_dict(engine.model), str(engine.plan), shares(engine, ctx)
-
-
-def dp_rows(t: Tensor, ctx) -> Tensor:
-    """This data-parallel rank's rows of a global batch tensor."""
-    return data_rows((t,), ctx)[0]
-
-
-def full_grads(model: nn.Module, ctx) -> dict[str, Tensor]:
-    """Dense gradients rebuilt from every rank's shards (after the data-parallel average)."""
-    return {
-        n: full_tensor(p.grad, get_shard_spec(p), ctx)
-        for n, p in gt.parallel.sharding.unwrap(model).named_parameters()
-        if p.grad is not None
-    }
-
-
-def shares(engine, ctx) -> dict[str, float]:
-    """name -> local elements / dense elements for every parameter this rank holds."""
-    from gridtrain.parallel.sharding import dense_shape
-
-    out = {}
-    for name, p in gt.parallel.sharding.unwrap(engine.model).named_parameters():
-        out[name] = p.numel() / math.prod(dense_shape(p, ctx))
-    return out
