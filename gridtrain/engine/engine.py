@@ -42,7 +42,7 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sync import GradSync, GradSyncs
 from gridtrain.parallel.tags import default_dp_mode
-from gridtrain.parallel.tensor.registry import split_batch
+from gridtrain.parallel.tensor.registry import spec_of, split_batch
 from gridtrain.parallel.tensor.sequence import mark_sequence_sharded
 
 logger = logging.getLogger("gridtrain")
@@ -147,8 +147,15 @@ class Engine:
 
     @contextlib.contextmanager
     def _forward_context(self) -> Iterator[None]:
-        """Autocast (amp modes) and the configured SDPA kernels around a forward."""
-        with autocast(self.ctx.device, self.autocast_dtype), sdpa_context(self._attention):
+        """Autocast (amp modes), the configured SDPA kernels and the tensor mode's forward
+        context (sequence: ``F.scaled_dot_product_attention`` as ring attention) around a
+        forward."""
+        mode = spec_of(self.ctx).forward_mode
+        with (
+            autocast(self.ctx.device, self.autocast_dtype),
+            sdpa_context(self._attention),
+            mode(self.ctx) if mode is not None else contextlib.nullcontext(),
+        ):
             yield
 
     def compute_loss(self, output: Any, *labels: Any, **kwargs: Any) -> Tensor:

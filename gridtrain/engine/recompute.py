@@ -10,8 +10,9 @@ outside the recomputed region and tensor-parallel collectives inside it run agai
 backward, as Megatron's do. The recompute must replay the forward exactly and leave no
 trace: torch's checkpoint restores the default generator; here the context's named RNG
 streams (sharded dropout, ring attention, the noisy MoE router) are rewound to where the
-forward found them and put back afterwards (Megatron's RNG tracker does the same), and
-BatchNorm running statistics and MoE load records are not updated a second time.
+forward found them and put back afterwards (Megatron's RNG tracker does the same),
+BatchNorm running statistics and MoE load records are not updated a second time, and
+under sequence parallelism SDPA is routed to ring attention as in the forward.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gridtrain.engine.compile import find_blocks
 from gridtrain.parallel.random import recompute_region
+from gridtrain.parallel.tensor.sequence import replay_route
 
 logger = logging.getLogger("gridtrain")
 
@@ -64,13 +66,14 @@ def _checkpointed(block: nn.Module, rng):
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         saved = rng.state_dict() if rng is not None else None  # as the forward finds them
+        route = replay_route()  # sequence: SDPA as ring attention, in the recompute too
         calls = [0]
 
         def body(*a: Any, **k: Any) -> Any:  # checkpoint calls it for the forward, then
             calls[0] += 1  # again for the backward's recompute
             if calls[0] == 1:
                 return forward(*a, **k)
-            with _replay(rng, saved, buffers):
+            with _replay(rng, saved, buffers), route():
                 return forward(*a, **k)
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)

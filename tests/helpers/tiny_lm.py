@@ -1,8 +1,8 @@
 """The README's training script in miniature: a plain-PyTorch transformer LM, its loss, its
 optimizer and LR scheduler, and its batches. Nothing here knows about gridtrain but the loss
-(``gt.nn.CrossEntropyLoss`` takes logits of any layout) and the attention: the README asks
-sequence parallelism for ``gt.nn.attention`` (ring attention; ``scaled_dot_product_attention``
-in every other mode), so the one script serves the whole layout matrix.
+(``gt.nn.CrossEntropyLoss`` takes logits of any layout): its attention is torch's
+``scaled_dot_product_attention``, which the engine runs as ring attention under sequence
+parallelism, so the one script serves the whole layout matrix.
 
 Dimensions are tiny and chosen so that every layout divides them: vocab 64, width 16 and
 4 heads split over 2 (1d, 2d, 2.5d, 3d), 8 (3d's weights) and 4 (2d's weights); a batch of
@@ -38,7 +38,7 @@ class Block(nn.Module):
         q, k, v = (
             t(h).view(b, s, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v)
         )
-        a = gt.nn.attention(q, k, v, causal=True)  # ring attention under sequence
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 

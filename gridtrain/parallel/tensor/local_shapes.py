@@ -14,6 +14,11 @@ reaches ``scaled_dot_product_attention`` and requires each call's head size to
 equal the dense trace's (``Flow.attention``). A failing or differing forward gets a
 ``PlanError`` naming the module: the head count the tensor size cannot split (in
 ``gridtrain estimate``'s words), or how to take shapes from the model's configuration.
+
+Under sequence parallelism the forward runs on this rank's block of positions inside the
+mode's forward context (``SequenceAttention``): an attention call ring attention cannot
+compute as the dense model would (an arbitrary ``attn_mask``, ``nn.MultiheadAttention``)
+gets a ``PlanError`` naming the module and the argument before training.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from torch.utils._pytree import tree_map
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.base import linear_dims
+from gridtrain.parallel.tensor.entry_input import infer_example
 from gridtrain.parallel.tensor.plan import DROPOUT, LINEAR, NORM, OPAQUE, Plan, PlanError
 from gridtrain.parallel.tensor.registry import mode_spec, split_batch
+from gridtrain.parallel.tensor.sequence import SequenceAttentionError
 from gridtrain.parallel.tensor.spec import TensorMode
 from gridtrain.parallel.tensor.trace import (
     AttentionCall,
@@ -45,12 +52,15 @@ FIX = (
 
 
 def check_local_shapes(
-    model: nn.Module, example: Any, plan: Plan, flow: Flow, ctx: ParallelContext
+    model: nn.Module, example: Any, plan: Plan, flow: Flow | None, ctx: ParallelContext
 ) -> None:
     """Raise ``PlanError`` when ``model``'s forward fails, or reaches attention with another
-    head size, on this rank's shapes under ``plan`` (module docstring)."""
+    head size, on this rank's shapes under ``plan`` (module docstring); under a mode with a
+    forward context, when an attention call is one that context refuses."""
     spec = mode_spec(plan.mode)
-    if spec.splits_output is None:
+    if spec.forward_mode is not None:
+        check_routed_attention(model, example, spec, ctx)
+    if spec.splits_output is None or flow is None:
         return
     split, what = spec.head_split(plan.size, ctx.config.parallel.tensor.depth)
     local = _local_example(example, ctx)
@@ -75,6 +85,40 @@ def check_local_shapes(
                 f"the dense model: its shapes come from activations, whose hidden dim arrives "
                 f"split over {what}; {FIX}"
             )
+
+
+def check_routed_attention(
+    model: nn.Module, example: Any, spec: TensorMode, ctx: ParallelContext
+) -> None:
+    """Run ``model`` on meta on this rank's shapes under ``spec.forward_mode`` (sequence: SDPA
+    as ring attention) and raise ``PlanError`` naming the module whose attention call the
+    mode refuses (``SequenceAttentionError``). Skipped where no input can be had; a forward
+    that fails on meta for another reason is left to the first step."""
+    if example is None:
+        try:
+            example = infer_example(model, "the attention check")
+        except PlanError:
+            return
+    local = _local_example(example, ctx)
+    if local is None:
+        return
+    recorder = AttentionRecorder(model)  # entered last, so it sees each call first
+    try:
+        run_on_meta(model, local, modes=(spec.forward_mode(ctx), recorder))
+    except SequenceAttentionError as err:
+        sdpa = err.function == "scaled_dot_product_attention" and recorder.calls
+        where = (recorder.calls[-1].module if sdpa else _attention_module(model)) or type(
+            model
+        ).__name__
+        raise PlanError(f"'{where}' under tensor mode {spec.name!r}: {err}") from None
+    except Exception:  # noqa: BLE001 - not an attention call: the first step will say
+        return
+
+
+def _attention_module(model: nn.Module) -> str:
+    """The first ``nn.MultiheadAttention`` of ``model`` (the other call the mode refuses)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    return names[0] if names else type(model).__name__
 
 
 def _heads_error(calls: list[AttentionCall], split: int, what: str) -> PlanError | None:

@@ -94,7 +94,7 @@ def build_plan(
     if spec.check is not None:
         spec.check(plan, model)
     count_sharded(plan, model)
-    if flow is not None and adapter is None:  # an adapter checks its models' heads itself
+    if adapter is None:  # an adapter checks its models' heads and attention itself
         check_local_shapes(model, example, plan, flow, ctx)
     return plan
 

@@ -10,6 +10,7 @@ is; ``topology.py`` asks it for the groups of a tensor block, the engine for ``s
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,9 @@ class TensorMode:
     flow (None: the mode never traces); ``entry_options(kinds, styles, flow)`` adds the
     options its layers take (module -> options); ``check(plan, model)`` runs after the dry
     run; ``splits_output(kind, style)`` says whether a replaced layer's output leaves its
-    last dim split (None: the model's forward is not re-run on local shapes).
+    last dim split (None: the model's forward is not re-run on local shapes);
+    ``forward_mode(ctx)`` is the context the engine runs every forward of the model in
+    (the planner's dry run on this rank's shapes too).
     """
 
     name: str | None
@@ -66,6 +69,8 @@ class TensorMode:
     head_split: Callable[[int, int], tuple[int, str]] = no_head_split  # (ways, group in words)
     splits_output: Callable[[str, str], bool] | None = None
     splits_weights: bool = False  # whether the coverage notice applies
+    # (ctx) -> the context every forward of the model runs in; None: nothing around it
+    forward_mode: Callable[[Any], AbstractContextManager] | None = None
 
     def layer_for(
         self, name: str, kind: str, style: str, options: dict[str, Any]

@@ -2,7 +2,8 @@
 
 ``MODE`` is the mode's spec (``tensor/spec.py``): every weight stays whole, so the
 plan only gives each dropout its per-rank stream; ``layout.py`` splits the batch,
-``loss.py`` sums token losses over the sequence group."""
+``loss.py`` sums token losses over the sequence group; ``sdpa.py`` runs a plain model's
+``scaled_dot_product_attention`` as ring attention."""
 
 from gridtrain.parallel.tensor.dropout import dropout_factory
 from gridtrain.parallel.tensor.plan import DROPOUT, EMBEDDING, LINEAR, NORM, OPAQUE, PATCH
@@ -16,6 +17,12 @@ from gridtrain.parallel.tensor.sequence.layout import (
     split_batch,
 )
 from gridtrain.parallel.tensor.sequence.loss import CrossEntropyLoss, accuracy
+from gridtrain.parallel.tensor.sequence.sdpa import (
+    SequenceAttention,
+    SequenceAttentionError,
+    attention_route,
+    replay_route,
+)
 from gridtrain.parallel.tensor.spec import TensorMode, one_group
 
 
@@ -34,6 +41,7 @@ MODE = TensorMode(
     kept=frozenset({LINEAR, EMBEDDING, NORM, PATCH, OPAQUE}),
     infer_styles=_replicated,
     tie_alternatives=("replicate",),
+    forward_mode=attention_route,
 )
 
 __all__ = [
@@ -41,10 +49,14 @@ __all__ = [
     "SEQUENCE",
     "VARIANTS",
     "CrossEntropyLoss",
+    "SequenceAttention",
+    "SequenceAttentionError",
     "accuracy",
+    "attention_route",
     "is_sequence_sharded",
     "mark_sequence_sharded",
     "position_ids",
+    "replay_route",
     "ring_attention",
     "sequence_group",
     "split_batch",

@@ -69,6 +69,8 @@ def ring_attention(
     group = sequence_group(ctx)
     if group is None:
         return _dense_attention(q, k, v, causal, key_padding_mask, dropout_p, scale)
+    if q.is_meta:  # the planner's dry run: shapes only, no collectives
+        return q.new_empty(q.shape[:-1] + (v.shape[-1],))
     if key_padding_mask is not None:  # [B, S] bools are tiny next to the keys: gather them
         key_padding_mask = comm.all_gather_raw(key_padding_mask.to(torch.uint8), 1, group).bool()
     if variant == "standard":
