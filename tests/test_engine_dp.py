@@ -5,7 +5,14 @@ import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import MLP, mlp, momentum_sgd
-from helpers.runs import Normal, batches, engine_run, global_losses, reference_run
+from helpers.runs import (
+    Normal,
+    assert_grads_close,
+    batches,
+    engine_run,
+    global_losses,
+    reference_run,
+)
 
 import gridtrain as gt
 from gridtrain.gradient_handlers import SequenceParallelGradientHandler, handler_class
@@ -47,8 +54,7 @@ def test_data_parallel_equals_one_process(world, handler):
         assert run.probed == (handler is None), "no handler named -> the overlapped path"
         for key in ref.state:
             torch.testing.assert_close(run.state[key], ref.state[key], **TOL)
-        for key, g in ref.grads[0].items():  # the averaged gradient the optimizer applied
-            torch.testing.assert_close(run.grads[0][key], g, **TOL)
+        assert_grads_close(run.grads[0], ref, **TOL)  # the averaged gradient it applied
     # mean of the per-rank losses is the global-batch loss (equal shards)
     torch.testing.assert_close(torch.tensor(global_losses(runs)), torch.tensor(ref.losses), **TOL)
 

@@ -33,14 +33,14 @@ def test_family_equals_one_process(name, layout):
     model_kw, block = FAMILIES[name]
     results = check_layout(name, layout, block, **model_kw)
     if name == "phi3" and layout in ("1d2", "2d4"):  # heads split, not gathered
-        for row in _rows(results[0][3], "qkv_proj", "gate_up_proj").values():
+        for row in _rows(results[0][0].plan, "qkv_proj", "gate_up_proj").values():
             assert "packed_colwise" in row, row
 
 
 def test_phi3_grouped_kv_heads_keep_the_gathered_qkv():
     """q, k and v blocks of unequal widths: qkv_proj's output is gathered, gate_up still packed."""
     results = check_layout("phi3", "2d4", "model.layers.0.mlp.gate_up_proj.weight")
-    rows = _rows(results[0][3], "qkv_proj", "gate_up_proj")
+    rows = _rows(results[0][0].plan, "qkv_proj", "gate_up_proj")
     assert "colwise_gather_output" in rows["qkv_proj"], rows
     assert "packed_colwise" in rows["gate_up_proj"], rows
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.parity import dp_rows, full_grads, seeded, shares
+from helpers.runs import assert_grads_close, engine_run, global_losses, reference_run, seeded
 
 import gridtrain as gt
 
@@ -104,53 +104,35 @@ def exact_norms(model):
     return model
 
 
+def as_pairs(batches) -> list:
+    """``hf_batches`` as the harness's (inputs, labels): HF keyword inputs and the labels."""
+    return [(dict(input_ids=x, attention_mask=m), y) for x, m, y in batches]
+
+
+def _build(name: str, exact: bool, model_kw: dict):
+    model = tiny_model(name, **model_kw)
+    return exact_norms(model) if exact else model
+
+
+def dense_loss(out, labels):
+    """The plain HF loop's loss: cross entropy of the logits, -100 ignored."""
+    return F.cross_entropy(out.logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
 def train_dense(name: str, batches, exact: bool = False, **model_kw):
     """The plain HF loop. ``exact``: RMSNorm without its float32 round trip (see TOL)."""
-    model = tiny_model(name, **model_kw)
-    if exact:
-        exact_norms(model)
-    opt = adamw(model)
-    losses, grads = [], None
-    for x, m, y in batches:
-        opt.zero_grad()
-        logits = model(input_ids=x, attention_mask=m).logits
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
+    return reference_run(
+        lambda: _build(name, exact, model_kw), as_pairs(batches), dense_loss, adamw
+    )
 
 
 def train_engine(ctx, name: str, batches, exact: bool = False, model_kw: dict | None = None):
-    """The same through ``gt.initialize``; also the plan's text, this rank's share of each
-    parameter and its parameter count (``engine.model``'s, a tied copy included)."""
-    model = tiny_model(name, **(model_kw or {}))
-    if exact:
-        exact_norms(model)
-    engine, *_ = gt.initialize(
-        model, adamw(model), lm_loss, example_inputs=dict(input_ids=batches[0][0][:4])
-    )
-    pipeline = ctx.world_size(PM.PIPELINE) > 1
-    losses, grads = [], None
-    for x, m, y in batches:
-        x, m, y = (dp_rows(t, ctx) for t in (x, m, y))
-        engine.zero_grad()
-        if pipeline:
-            batch = dict(input_ids=x, attention_mask=m, labels=y)
-            _, _, loss = engine.execute_schedule(iter([batch]), return_output_label=False)
-        else:
-            out = engine(input_ids=x, attention_mask=m)
-            loss = engine.criterion(out, y)
-            engine.backward(loss)
-        engine.step()
-        if grads is None and not pipeline:
-            grads = full_grads(engine.model, ctx)
-        losses.append(loss.item())
-    attn = getattr(getattr(engine.model, "config", None), "_attn_implementation", None)
-    full = gt.full_state_dict(engine.model)
-    held = sum(p.numel() for p in engine.model.parameters())
-    return losses, grads, full, str(engine.plan), shares(engine, ctx), attn, held
+    """The same through ``gt.initialize``: the harness's run, and the attention the model's
+    config names after it (ring attention under sequence parallelism)."""
+    model = _build(name, exact, model_kw or {})
+    example = dict(input_ids=batches[0][0][:4])
+    run = engine_run(ctx, lambda: model, as_pairs(batches), lm_loss, adamw, example_inputs=example)
+    return run, getattr(model.config, "_attn_implementation", None)
 
 
 def _cfg(pipeline=1, tensor=None, micro=None):
@@ -221,31 +203,32 @@ def check_layout(name: str, layout: str, block: str | None = None, **model_kw) -
     world, config, share = LAYOUTS[layout]
     batches = hf_batches()
     exact = name in EXACT_EVERYWHERE
-    d_losses, d_grads, d_final = train_dense(
-        name, batches, exact=exact or _grid_rms(name, layout), **model_kw
-    )
+    ref = train_dense(name, batches, exact=exact or _grid_rms(name, layout), **model_kw)
+    d_losses, d_final = ref.losses, ref.state
     results = run_distributed(
         train_engine, world, name, batches, exact, model_kw, config=config, timeout=600
     )
     replica = world // data_size(world, config)
-    losses = torch.tensor([r[0] for r in results[::replica]], dtype=torch.float64).mean(0)
+    losses = torch.tensor(global_losses([r for r, _ in results]), dtype=torch.float64)
     tol = TOL
     err = (losses - torch.tensor(d_losses, dtype=torch.float64)).abs().max().item()
     if exact or _grid_rms(name, layout):
-        hf_losses = torch.tensor(train_dense(name, batches, **model_kw)[0], dtype=torch.float64)
+        hf_run = train_dense(name, batches, **model_kw)
+        hf_losses = torch.tensor(hf_run.losses, dtype=torch.float64)
         hf_err = ((losses - hf_losses).abs() / hf_losses.abs()).max().item()
         print(f"\nLAYOUT {name} {layout}: vs unmodified HF (float32 RMSNorm) {hf_err:.2e}")
         assert hf_err <= FLOAT32_NORM_TOL, (name, layout, hf_err)
     total = sum(p.numel() for p in tiny_model(name, **model_kw).parameters())
     w_err = 0.0
-    for rank, (r_losses, grads, final, plan, held, attn, count) in enumerate(results):
+    for rank, (run, attn) in enumerate(results):
         tag = f"{name} {layout} rank {rank}"
-        assert r_losses == results[rank - rank % replica][0], f"{tag}: one loss per replica"
+        final, grads, held, plan = run.state, run.grads[0], run.shares, run.plan
+        assert run.losses == results[rank - rank % replica][0].losses, f"{tag}: one per replica"
         if layout.startswith("seq"):  # the model's own attention call reached ring attention
             assert attn == "gridtrain_ring", (tag, attn)
         assert set(final) == set(d_final), f"{tag}: full state dict has the plain model's keys"
-        for k, g in d_grads.items() if grads is not None else ():
-            torch.testing.assert_close(grads[k], g, rtol=tol * 100, atol=tol, msg=f"{tag} {k}")
+        # every parameter's first-step gradient, as the optimizer stepped with it
+        assert_grads_close(grads, ref, msg=tag, rtol=tol * 100, atol=tol)
         for k, v in d_final.items():
             w_err = max(w_err, (final[k] - v).abs().max().item())
             # AdamW divides by sqrt(v) + 1e-8: a 1e-16 gradient difference on a near-zero
@@ -259,7 +242,7 @@ def check_layout(name: str, layout: str, block: str | None = None, **model_kw) -
         if "tensor" in config["parallel"] and config["parallel"]["tensor"]["mode"] != "sequence":
             assert "auto" in plan or "rowwise" in plan, plan
         if config["parallel"]["pipeline"] > 1:  # balanced stages, a tied copy counted
-            assert count / total <= STAGE_SHARE, (tag, count, total)
+            assert run.held / total <= STAGE_SHARE, (tag, run.held, total)
     print(f"\nLAYOUT {name} {layout}: max loss error {err:.2e}, max weight error {w_err:.2e}")
     assert err <= tol * max(1.0, max(d_losses)), (name, layout, err)
     return results

@@ -10,9 +10,11 @@ batches and optimizer, the engine driven and read through the public API only.
 * ``engine_step``: one optimizer step in any layout: the README's loop, or
   ``execute_schedule`` under pipeline parallelism; ``gradient_accumulation`` micro-steps;
   tensor or dict (Hugging Face) inputs.
-* ``global_losses``: the global batch's loss per step from every rank's run.
-* ``shares`` / ``param_share`` / ``state_share``: how much of the dense parameters (and of
-  AdamW's dense state) this rank holds, so a test fails when nothing was parallelised.
+* ``global_losses``: the global batch's loss per step from every rank's run;
+  ``assert_grads_close``: an engine run's gradients against the reference's.
+* ``shares`` / ``param_share`` / ``state_share`` / ``state_numel``: how much of the dense
+  parameters (and of AdamW's dense state) this rank holds, so a test fails when nothing was
+  parallelised.
 
 Gradients are read back from the optimizer's moments (``gt.full_optimizer_state_dict``), on
 both sides alike: every rank gathers every tensor in the same order (a gather that only some
@@ -88,7 +90,10 @@ class Run:
     the gradient step k applied, by dense name (clipped, if clipping is on); ``optim``: the
     dense optimizer state after the last step (``gt.full_optimizer_state_dict``'s form).
     ``norms[k]``: the gradient's 2-norm before clipping (the engine's ``last_grad_norm``,
-    None where it does not clip). Reference only: ``states[k]``, the weights after k steps.
+    None where it does not clip). ``states[k]``: the weights after k steps (the engine keeps
+    ``states[0]`` only when asked: ``engine_run(initial=True)``, its weights right after
+    ``gt.initialize``). Reference only: ``aliases``, a tied parameter's other names -> the
+    name it is listed under.
     Engine only: ``shares``, ``held`` (parameter elements this rank
     holds, a tied copy on another pipeline stage included), ``plan``; ``watched[k]``: what
     ``engine_run``'s ``watch(engine, outputs)`` returned after step k (``outputs``: the
@@ -100,6 +105,7 @@ class Run:
     grads: list[dict[str, Tensor]]
     optim: dict[str, Any]
     states: list[dict[str, Tensor]] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
     shares: dict[str, float] = field(default_factory=dict)
     held: int = 0
@@ -130,7 +136,7 @@ def reference_run(build, batches, loss_fn, make_opt, clip: float = 0.0, grad_ste
     steps one given to ``gt.initialize``)."""
     model = build()
     opt, sched = _optimizer(make_opt(model))
-    run = Run([], {}, [], {}, states=[_copy(model.state_dict())])
+    run = Run([], {}, [], {}, states=[_copy(model.state_dict())], aliases=_aliases(model))
     before = None
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
@@ -149,6 +155,12 @@ def reference_run(build, batches, loss_fn, make_opt, clip: float = 0.0, grad_ste
             before = run.optim
     run.state = run.states[-1]
     return run
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    first = {id(p): n for n, p in model.named_parameters()}
+    every = model.named_parameters(remove_duplicate=False)
+    return {n: first[id(p)] for n, p in every if first[id(p)] != n}
 
 
 def _copy(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -202,6 +214,7 @@ def engine_run(
     probe=None,
     watch=None,
     load=None,
+    initial=False,
     **init_kw,
 ) -> Run:
     """``build()`` trained through ``gt.initialize(model, opt, loss_fn, **init_kw)`` on this
@@ -213,7 +226,7 @@ def engine_run(
     model = build()
     dense = {n: p.numel() for n, p in model.named_parameters()}
     engine, _ = start_engine(model, loss_fn, make_opt, load, **init_kw)
-    run = Run([], {}, [], {})
+    run = Run([], {}, [], {}, states=[gt.full_state_dict(engine.model)] if initial else [])
     before = None
     for step, batch in enumerate(batches):
         outputs: list = []
@@ -283,6 +296,20 @@ def _to(t, device):
 
 
 # ---- reading runs ------------------------------------------------------------------------------
+def assert_grads_close(got: dict[str, Tensor], ref: Run, step: int = 0, msg="", **tol) -> None:
+    """An engine run's ``grads[step]`` against the reference's, within ``tol``
+    (``torch.testing.assert_close``'s): a gradient for every parameter, each equal to the
+    reference's; a tied parameter may come under each of its names (a pipeline stage lists
+    its own copy)."""
+    want = ref.grads[step]
+    missing = set(want) - set(got)
+    assert not missing, f"{msg}: no gradient for {sorted(missing)}"
+    for name, g in got.items():
+        dense = ref.aliases.get(name, name)
+        assert dense in want, f"{msg}: {name} is no parameter of the reference"
+        torch.testing.assert_close(g, want[dense], msg=f"{msg} {name}", **tol)
+
+
 def global_loss(per_rank: list[float | None]) -> float:
     """The global batch's loss: the mean over ranks that report one. Every data-parallel
     rank reports the mean over its equal share of the batch, each as often as the others
@@ -317,13 +344,16 @@ def param_share(engine, dense_numel: int) -> float:
     return sum(local_numel(p) for p in engine.model.parameters()) / dense_numel
 
 
-def state_share(engine, dense_numel: int, per_param: int = 2) -> float:
-    """Optimizer-state elements this rank holds over the dense model's ``per_param`` moments
-    per parameter (AdamW: 2); scalar entries (step counts) not counted."""
-    held = sum(
+def state_numel(engine) -> int:
+    """Optimizer-state elements this rank holds; scalar entries (step counts) not counted."""
+    return sum(
         local_numel(v)
         for state in engine.optimizer.state.values()
         for v in state.values()
         if isinstance(v, Tensor) and v.dim() > 0
     )
-    return held / (per_param * dense_numel)
+
+
+def state_share(engine, dense_numel: int, per_param: int = 2) -> float:
+    """``state_numel`` over the dense model's ``per_param`` moments per parameter (AdamW: 2)."""
+    return state_numel(engine) / (per_param * dense_numel)
