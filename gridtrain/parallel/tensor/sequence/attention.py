@@ -9,7 +9,12 @@ from torch import Tensor
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.tensor.sequence.layout import SEQUENCE, current_ctx, sequence_group
+from gridtrain.parallel.tensor.sequence.layout import (
+    SEQUENCE,
+    current_ctx,
+    sequence_group,
+    splits_sequence,
+)
 from gridtrain.parallel.tensor.sequence.ring_attention import (
     allowed_mask,
     default_scale,
@@ -66,11 +71,11 @@ def ring_attention(
     if variant not in VARIANTS:
         raise ValueError(f"ring_attention: variant must be one of {VARIANTS}, got {variant!r}")
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    group = sequence_group(ctx)
-    if group is None:
+    if not splits_sequence(ctx):
         return _dense_attention(q, k, v, causal, key_padding_mask, dropout_p, scale)
     if q.is_meta:  # the planner's dry run: shapes only, no collectives
         return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    group = sequence_group(ctx)
     if key_padding_mask is not None:  # [B, S] bools are tiny next to the keys: gather them
         key_padding_mask = comm.all_gather_raw(key_padding_mask.to(torch.uint8), 1, group).bool()
     if variant == "standard":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from gridtrain.parallel.context import ParallelContext, get_context, has_context
 from gridtrain.parallel.mode import ParallelMode
@@ -41,24 +42,43 @@ def is_sequence_sharded(labels: Tensor) -> bool:
     return isinstance(labels, SequenceShardedLabels)
 
 
+class ForwardMode(TorchFunctionMode):
+    """A torch-function mode that a forward under ``ctx`` runs in (``sdpa.SequenceAttention``).
+    Where no context is launched (``gridtrain estimate`` plans on a process-free ``Layout``),
+    ``current_ctx`` falls back on it, so ``gt.nn.attention`` and the routed SDPA calls of one
+    forward see the same split."""
+
+    def __init__(self, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+
+
 def current_ctx(ctx: ParallelContext | None) -> ParallelContext | None:
+    """``ctx``, else the launched context, else that of the ``ForwardMode`` running now."""
     if ctx is not None:
         return ctx
-    return get_context() if has_context() else None
+    if has_context():
+        return get_context()
+    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, ForwardMode)]
+    return modes[-1].ctx if modes else None
+
+
+def splits_sequence(ctx: ParallelContext | None) -> bool:
+    """Whether ``ctx`` splits positions over more than one rank (sizes only, so a
+    process-free ``Layout``, as ``gridtrain estimate`` plans with, answers too)."""
+    return ctx is not None and ctx.tensor_mode == "sequence" and ctx.world_size(SEQUENCE) > 1
 
 
 def sequence_group(ctx: ParallelContext | None):
     """The SEQUENCE group when sequence parallelism is on (with more than one rank), else None."""
-    if ctx is None or ctx.tensor_mode != "sequence" or ctx.world_size(SEQUENCE) == 1:
-        return None
-    return ctx.group(SEQUENCE)
+    return ctx.group(SEQUENCE) if splits_sequence(ctx) else None
 
 
 def position_ids(seq_len: int, device=None, ctx: ParallelContext | None = None) -> Tensor:
     """Global positions of this rank's ``seq_len`` tokens: ``arange`` from its shard's offset."""
     ctx = current_ctx(ctx)
     offset = 0
-    if sequence_group(ctx) is not None:
+    if splits_sequence(ctx):
         offset = ctx.local_rank(SEQUENCE) * seq_len
     return torch.arange(offset, offset + seq_len, device=device)
 
@@ -68,7 +88,7 @@ def split_batch(x: Tensor, ctx: ParallelContext) -> Tensor:
 
     Tensors of rank 0 or 1 (``[B]``: sentence labels, lengths) are kept whole on every rank.
     """
-    if sequence_group(ctx) is None or x.dim() < 2:
+    if not splits_sequence(ctx) or x.dim() < 2:
         return x
     n = ctx.world_size(SEQUENCE)
     if x.shape[1] % n:

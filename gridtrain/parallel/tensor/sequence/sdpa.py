@@ -30,11 +30,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import _get_current_function_mode_stack
 
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tensor.sequence.attention import ring_attention
-from gridtrain.parallel.tensor.sequence.layout import sequence_group
+from gridtrain.parallel.tensor.sequence.layout import ForwardMode, splits_sequence
 
 INSTEAD = (
     "call gt.nn.attention(q, k, v, causal=..., key_padding_mask=...) (ring attention) "
@@ -51,13 +51,9 @@ class SequenceAttentionError(ValueError):
         self.function = function
 
 
-class SequenceAttention(TorchFunctionMode):
+class SequenceAttention(ForwardMode):
     """Routes ``scaled_dot_product_attention`` to ring attention over ``ctx``'s SEQUENCE
     group (module docstring). Other functions pass through unchanged."""
-
-    def __init__(self, ctx: ParallelContext):
-        super().__init__()
-        self.ctx = ctx
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -141,7 +137,7 @@ def _key_padding(mask: Tensor | None, batch: int, keys: int) -> Tensor | None:
 def attention_route(ctx: ParallelContext) -> contextlib.AbstractContextManager:
     """The context a forward runs in under ``ctx``: ``SequenceAttention`` where a sequence
     group of more than one rank splits the positions, else nothing."""
-    if sequence_group(ctx) is None:
+    if not splits_sequence(ctx):
         return contextlib.nullcontext()
     return SequenceAttention(ctx)
 
