@@ -16,7 +16,6 @@ from torch import nn
 
 import gridtrain as gt
 import gridtrain.nn as gnn
-from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
 
 VOCAB, HIDDEN = 32, 16
 
@@ -68,13 +67,13 @@ def _train_and_save(ctx, path: str, sharded: bool):
     engine.zero_grad()
     engine.backward(engine.criterion(engine(batch[:, :-1]), batch[:, 1:]))
     engine.step()  # weights now differ from any seeded init
-    save_checkpoint(path, 1, engine.model, engine.optimizer, sharded=sharded)
+    gt.save_checkpoint(path, 1, engine.model, engine.optimizer, sharded=sharded)
     return _eval_loss(engine), gt.full_state_dict(engine.model, ctx)
 
 
 def _load_and_eval(ctx, path: str):
     engine = _engine(seed=123)  # a different init: the values must come from the file
-    load_checkpoint(path, engine.model, engine.optimizer)
+    gt.load_checkpoint(path, engine.model, engine.optimizer)
     return (
         _eval_loss(engine),
         gt.full_state_dict(engine.model, ctx),

@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers.harness import free_port, run_distributed
 
-from gridtrain.engine.checkpoint import load_checkpoint, save_checkpoint
+import gridtrain as gt
 
 TIMEOUT = 300
 TRIES = 4
@@ -33,18 +33,17 @@ SAVER = textwrap.dedent(
     sys.path.insert(0, sys.argv[4])
     import gridtrain as gt
     from test_checkpoint_atomic import _model_and_opt
-    from gridtrain.engine.checkpoint import save_checkpoint
     path, fmt, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
     gt.launch({}, 0, 1, "127.0.0.1", port, backend="gloo")
     model, opt = _model_and_opt(0)
     sharded = fmt != "dense"
     start = time.perf_counter()
-    save_checkpoint(path, 1, model, opt, sharded=sharded)
+    gt.save_checkpoint(path, 1, model, opt, sharded=sharded)
     print("ready", time.perf_counter() - start, flush=True)
     epoch = 1
     while True:
         epoch += 1
-        handle = save_checkpoint(path, epoch, model, opt, sharded=sharded,
+        handle = gt.save_checkpoint(path, epoch, model, opt, sharded=sharded,
                                  async_save=sharded and epoch % 2 == 0)
         if handle is not None:
             handle.wait()
@@ -66,11 +65,11 @@ def _model_and_opt(seed: int):
 def _load_then_save_again(ctx, path, sharded):
     want, _ = _model_and_opt(0)
     model, opt = _model_and_opt(1)  # other weights: they must come from the file
-    epoch = load_checkpoint(path, model, opt)
+    epoch = gt.load_checkpoint(path, model, opt)
     same = all(
         torch.equal(a, b) for a, b in zip(model.state_dict().values(), want.state_dict().values())
     )
-    save_checkpoint(path, epoch + 1, model, opt, sharded=sharded)  # the next save
+    gt.save_checkpoint(path, epoch + 1, model, opt, sharded=sharded)  # the next save
     return epoch, same
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
+from helpers.runs import engine_run
 
 import gridtrain as gt
 
@@ -32,30 +33,28 @@ def _loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
 def _train(ctx, batches):
     from torchao.float8.float8_linear import Float8Linear
 
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB, hidden=HIDDEN, heads=4, layers=2, seq=SEQ)
     before = {n: id(p) for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    engine, *_ = gt.initialize(model, opt, _loss)
-    fp8 = sorted(n for n, m in engine.model.named_modules() if isinstance(m, Float8Linear))
-    stepped = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    same_params = stepped == {id(p) for p in engine.model.parameters()} and before == {
-        n: id(p) for n, p in engine.model.named_parameters()
-    }
-    rank, world = ctx.global_rank, ctx.world_size()
-    losses = []
-    for x, y in batches:
-        rows = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
-        engine.zero_grad()
-        loss = engine.criterion(engine(x[rows]), y[rows])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    weights = {k: v.clone() for k, v in gt.full_state_dict(engine.model).items()}
-    return fp8, same_params, losses, weights
+
+    def swapped(engine):
+        """The Float8Linear layers, and whether the optimizer steps the very parameters."""
+        fp8 = sorted(n for n, m in engine.model.named_modules() if isinstance(m, Float8Linear))
+        stepped = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+        same_params = stepped == {id(p) for p in engine.model.parameters()} and before == {
+            n: id(p) for n, p in engine.model.named_parameters()
+        }
+        return fp8, same_params
+
+    run = engine_run(ctx, lambda: model, batches, _loss, _adamw, probe=swapped)
+    return *run.probed, run.losses, run.state
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.runs import assert_grads_close, engine_run, reference_run, token_batches
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import gridtrain as gt  # noqa: E402
 from demos.gpt import data as gpt_data  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
-from gridtrain.parallel.sharding import full_tensor  # noqa: E402
-from gridtrain.parallel.tags import get_shard_spec  # noqa: E402
 
 # the "tiny" preset shrunk to test size: 4 heads so 1d TP 4 holds one head per rank
 CFG = gpt_model.preset("tiny", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64)
@@ -24,29 +22,12 @@ STEPS, LR = 3, 1e-2
 
 
 def _batches(cfg=CFG, n=STEPS, batch=4, seq=12):
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g) for _ in range(n)]
+    """(ids, next-token labels) pairs."""
+    return token_batches(n, batch, seq, cfg.vocab_size, seed=7)
 
 
-def _train(model, batches, grads_of=None):
-    """AdamW steps on next-token loss; returns the losses and the first step's gradients
-    (dense keys; ``grads_of(model)`` rebuilds them from shards)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    loss_fn = gpt_model.GPTLoss()
-    losses, first_grads = [], None
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        if first_grads is None:
-            first_grads = (grads_of or _dense_grads)(model)
-        opt.step()
-        losses.append(loss.item())
-    return losses, first_grads
-
-
-def _dense_grads(model):
-    return {k: p.grad.clone() for k, p in model.named_parameters()}
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
 # ---- dense (no parallel context) --------------------------------------------------------------
@@ -159,30 +140,26 @@ def test_byte_corpus_windows():
 
 # ---- tensor parallelism through the engine ---------------------------------------------------
 def _tp_run(ctx, cfg, batches):
-    """The demo model sharded by gt.initialize; plain AdamW loop through the engine."""
-    model = gpt_model.GPT(cfg, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    engine, *_ = gt.initialize(model, opt, gpt_model.GPTLoss(), example_inputs=batches[0][:, :-1])
-    init = gt.full_state_dict(engine.model)
-    kinds = {n: type(engine.model.get_submodule(n)).__name__ for n in ("h0.attn.qkv", "h0.mlp.fc2")}
-    losses, first_grads = [], None
-    for b in batches:
-        engine.zero_grad()
-        loss = engine.criterion(engine(b[:, :-1]), b[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        first_grads = first_grads or _full_grads(engine.model)
-        losses.append(loss.item())
-    dense = gpt_model.dense_copy(engine.model, cfg)  # collective
-    return init, losses, first_grads, gt.full_state_dict(engine.model), kinds, dense.state_dict()
+    """The demo model sharded by gt.initialize, trained through the engine; also the layer
+    kinds the plan chose and the demo's own ``dense_copy`` after training."""
 
+    def kinds_and_copy(engine):
+        names = ("h0.attn.qkv", "h0.mlp.fc2")
+        kinds = {n: type(engine.model.get_submodule(n)).__name__ for n in names}
+        return kinds, gpt_model.dense_copy(engine.model, cfg).state_dict()  # collective
 
-def _full_grads(model):
-    """Each shard's gradient, gathered into the dense tensor's shape (collective)."""
-    ctx = gt.get_context()
-    return {
-        k: full_tensor(p.grad, get_shard_spec(p), ctx).clone() for k, p in model.named_parameters()
-    }
+    build = lambda: gpt_model.GPT(cfg, seed=0)  # noqa: E731
+    example = batches[0][0]
+    return engine_run(
+        ctx,
+        build,
+        batches,
+        gpt_model.GPTLoss(),
+        _adamw,
+        probe=kinds_and_copy,
+        initial=True,
+        example_inputs=example,
+    )
 
 
 def test_gt_nn_layers_are_plain_modules():
@@ -205,26 +182,25 @@ LAYOUTS = {
 def test_every_tensor_mode_equals_dense_after_adamw_steps(name):
     world, tensor, batch = LAYOUTS[name]
     batches = _batches(batch=batch)
-    dense = gpt_model.GPT(CFG, seed=0)
-    dense_init = copy.deepcopy(dense.state_dict())
-    dense_losses, dense_grads = _train(dense, batches)
+    ref = reference_run(lambda: gpt_model.GPT(CFG, seed=0), batches, gpt_model.GPTLoss(), _adamw)
+    dense_init, dense_losses = ref.states[0], ref.losses
     config = dict(parallel=dict(tensor=tensor))
     results = run_distributed(_tp_run, world, CFG, batches, config=config, timeout=300)
-    for rank, (init, losses, grads, final, kinds, copied) in enumerate(results):
+    for rank, run in enumerate(results):
+        init, losses, final = run.states[0], run.losses, run.state
+        kinds, copied = run.probed
         if tensor["mode"] == "1d":  # the traced plan pairs qkv/proj and fc/fc2
             assert kinds == {"h0.attn.qkv": "ColumnLinear", "h0.mlp.fc2": "RowLinear"}, kinds
         assert init.keys() == dense_init.keys()
         for k, v in dense_init.items():
             # each rank cut its shard from the same dense weights: bit-identical
             assert torch.equal(init[k], v), (rank, k)
-        assert grads.keys() == dense_grads.keys()
-        for k, g in dense_grads.items():
-            # every shard's gradient; split matmuls and all-reduces reorder float32 sums
-            # (measured <= 7.5e-8 on gradients up to 0.39)
-            torch.testing.assert_close(grads[k], g, rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+        # every shard's gradient, as the optimizer stepped with it; split matmuls and
+        # all-reduces reorder float32 sums (measured <= 7.5e-8 on gradients up to 0.39)
+        assert_grads_close(run.grads[0], ref, msg=f"rank {rank}", rtol=1e-4, atol=1e-6)
         # same float32 reordering on O(4) losses: measured <= 2.3e-7 relative
         assert losses == pytest.approx(dense_losses, rel=1e-5), rank
-        for k, v in dense.state_dict().items():
+        for k, v in ref.state.items():
             # AdamW's first steps move each element by ~lr * sign(grad): an element whose
             # gradient is rounding noise (e.g. attention keys at near-uniform attention) may
             # move differently by a fraction of lr (measured 2.7e-4 = 0.03 lr at tp 2)

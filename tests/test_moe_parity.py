@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.runs import Ints, Normal, batches, data_rows, engine_run, engine_step
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,14 +48,7 @@ STEPS, LR, GLOBAL_BATCH = 3, 0.1, 8
 
 
 def _batches(n=STEPS):
-    g = torch.Generator().manual_seed(11)
-    return [
-        (
-            torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g),
-            torch.randint(0, 10, (GLOBAL_BATCH,), generator=g),
-        )
-        for _ in range(n)
-    ]
+    return batches(n, Normal((GLOBAL_BATCH, 3, 8, 8)), Ints(10, (GLOBAL_BATCH,)), seed=11)
 
 
 def _dense_state(cfg=CFG):
@@ -87,32 +81,35 @@ def _reference(data_size: int, cfg=CFG):
     return steps, model.state_dict()
 
 
-def _train(ctx, state, batches, cfg=CFG):
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+
+def _train(ctx, state, data, cfg=CFG):
+    """Per step: this rank's output, input gradient, the synced gradients (read back dense
+    from the optimizer's momentum), its loss and dropped tokens; the final dense state."""
     torch.manual_seed(5)
     model = WideNet(cfg)
     gt.load_full_state_dict(model, state)
-    crit = MoeCriterion(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    engine, *_ = gt.initialize(model, opt, criterion=crit, example_inputs=batches[0][0])
-    engine.train()
-    d, dr = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
+    data = [(x.clone().requires_grad_(), y) for x, y in data]  # x.grad: the input gradient
+
+    def out_and_drops(engine, outputs):
+        return outputs[0].detach().float(), moe.expert_load(model)[1]
+
+    run = engine_run(
+        ctx,
+        lambda: model,
+        data,
+        MoeCriterion(model),
+        _sgd,
+        grad_steps=len(data),
+        watch=out_and_drops,
+        example_inputs=data[0][0].detach(),
+    )
     steps = []
-    for x, y in batches:
-        x = x.chunk(d)[dr].clone().requires_grad_()
-        y = y.chunk(d)[dr]
-        engine.zero_grad()
-        out = engine(x)
-        loss = engine.criterion(out, y)
-        dropped = moe.expert_load(model)[1]
-        engine.backward(loss)
-        engine.step()
-        # synced gradients, rebuilt dense from every rank's shard
-        grads = {
-            n: full_tensor(p.grad.float(), get_shard_spec(p), ctx)
-            for n, p in model.named_parameters()
-        }
-        steps.append((out.detach().float(), x.grad.clone(), grads, loss.item(), dropped))
-    return steps, gt.full_state_dict(engine.model)
+    for (x, _), (out, dropped), grads, loss in zip(data, run.watched, run.grads, run.losses):
+        steps.append((out, data_rows(x.grad, ctx), grads, loss, dropped))
+    return steps, run.state
 
 
 LAYOUTS = {
@@ -176,9 +173,8 @@ def _grad_scale_probe(ctx, state):
     torch.manual_seed(5)
     model = WideNet(CFG)
     gt.load_full_state_dict(model, state)
-    x, y = _batches(1)[0]
-    d, dr = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
-    MoeCriterion(model)(model(x.chunk(d)[dr]), y.chunk(d)[dr]).backward()
+    x, y = data_rows(_batches(1)[0], ctx)
+    MoeCriterion(model)(model(x), y).backward()
     return full_tensor(model.moe.experts.w1.grad, get_shard_spec(model.moe.experts.w1), ctx)
 
 
@@ -253,11 +249,7 @@ def _ckpt_load(ctx, batches, path):
 
 
 def _step(engine, ctx, x, y):
-    d, dr = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
-    engine.zero_grad()
-    loss = engine.criterion(engine(x.chunk(d)[dr]), y.chunk(d)[dr])
-    engine.backward(loss)
-    engine.step()
+    engine_step(engine, *data_rows((x, y), ctx), ctx)
 
 
 def test_checkpoint_at_ep4_loads_at_ep2_and_ep1(tmp_path):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.runs import data_rows
 
 import gridtrain as gt
-from gridtrain.parallel.sharding import unwrap
 
 DEMO = str(Path(__file__).resolve().parents[1] / "demos" / "bert_sequence")
 B, S, STEPS, LR = 4, 16, 3, 0.5
@@ -76,8 +76,7 @@ def _train(ctx, init):
     gt.load_full_state_dict(model, init)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = gt.initialize(model, opt, crit)
-    d, dp = ctx.local_rank(PM.DATA), ctx.world_size(PM.DATA)
-    batches = [_chunk(b, dp, d) for b in _batches()]  # what this data rank's loader would give
+    batches = [data_rows(b, ctx) for b in _batches()]  # what this data rank's loader gives
     data = iter(batches)
     losses, grads = [], None
     for _ in range(STEPS):
@@ -85,7 +84,7 @@ def _train(ctx, init):
         _, _, loss = engine.execute_schedule(data, return_output_label=False)
         engine.step()
         if grads is None and ctx.pipeline_parallel_size == 1:
-            grads = {n: p.grad.clone() for n, p in unwrap(engine.model).named_parameters()}
+            grads = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
         losses.append(loss.item())
     return losses, grads, gt.full_state_dict(engine.model)
 

@@ -8,38 +8,32 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.runs import data_rows, engine_run, state_numel, token_batches
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import gridtrain as gt  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
-from gridtrain.parallel.zero.memory import optimizer_state_numel  # noqa: E402
 
 CFG = gpt_model.preset("tiny", n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64)
 STEPS, BATCH, SEQ = 3, 8, 16
 
 
 def _batches():
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    return token_batches(STEPS, BATCH, SEQ, CFG.vocab_size, seed=7)
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _train(ctx, batches):
-    model = gpt_model.GPT(CFG, seed=0).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    d, r = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
-    example = batches[0][:, :-1].chunk(d)[r]
-    engine, *_ = gt.initialize(model, opt, gpt_model.GPTLoss(), example_inputs=example)
-    losses = []
-    for b in batches:
-        b = b.chunk(d)[r]
-        engine.zero_grad()
-        loss = engine.criterion(engine(b[:, :-1]), b[:, 1:])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses, gt.full_state_dict(engine.model), optimizer_state_numel(engine.optimizer)
+    build = lambda: gpt_model.GPT(CFG, seed=0).double()  # noqa: E731
+    example = data_rows(batches[0][0], ctx)
+    run = engine_run(
+        ctx, build, batches, gpt_model.GPTLoss(), _adamw, probe=state_numel, example_inputs=example
+    )
+    return run.losses, run.state, run.probed
 
 
 # name: (world, tensor config, zero stage)

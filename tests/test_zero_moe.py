@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.runs import Ints, Normal, batches, engine_run, state_numel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import gridtrain as gt  # noqa: E402
 from demos.moe.model import MoeCriterion, WideNet, WideNetConfig  # noqa: E402
-from gridtrain.parallel.zero.memory import optimizer_state_numel  # noqa: E402
 from gridtrain.parallel.zero.rows import get_zero_rows  # noqa: E402
 
 CFG = WideNetConfig(  # as test_moe_parity: capacity 16 drops no token
@@ -36,43 +35,37 @@ STEPS, GLOBAL_BATCH = 3, 8
 
 
 def _batches():
-    g = torch.Generator().manual_seed(11)
-    return [
-        (
-            torch.randn(GLOBAL_BATCH, 3, 8, 8, generator=g),
-            torch.randint(0, 10, (GLOBAL_BATCH,), generator=g),
-        )
-        for _ in range(STEPS)
-    ]
+    data = batches(STEPS, Normal((GLOBAL_BATCH, 3, 8, 8)), Ints(10, (GLOBAL_BATCH,)), seed=11)
+    return [(x.double(), y) for x, y in data]
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _held_and_row_groups(engine):
+    """Optimizer-state elements this rank holds, and the groups ZeRO cut rows over."""
+    modes = {
+        info.mode.name
+        for p in engine.optimizer.param_groups[0]["params"]
+        if (info := get_zero_rows(p)) is not None
+    }
+    return state_numel(engine), sorted(modes)
 
 
 def _train(ctx, batches):
     torch.manual_seed(5)
     model = WideNet(CFG).double()
-    crit = MoeCriterion(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    engine, *_ = gt.initialize(model, opt, criterion=crit, example_inputs=batches[0][0].double())
-    d, dr = ctx.world_size(gt.ParallelMode.DATA), ctx.local_rank(gt.ParallelMode.DATA)
-    losses = []
-    for x, y in batches:
-        engine.zero_grad()
-        loss = engine.criterion(engine(x.double().chunk(d)[dr]), y.chunk(d)[dr])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    modes = sorted(
-        {
-            info.mode.name
-            for p in engine.optimizer.param_groups[0]["params"]
-            if (info := get_zero_rows(p)) is not None
-        }
+    run = engine_run(
+        ctx,
+        lambda: model,
+        batches,
+        MoeCriterion(model),
+        _adamw,
+        probe=_held_and_row_groups,
+        example_inputs=batches[0][0],
     )
-    return (
-        losses,
-        gt.full_state_dict(engine.model),
-        optimizer_state_numel(engine.optimizer),
-        modes,
-    )
+    return (run.losses, run.state, *run.probed)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

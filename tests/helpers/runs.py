@@ -6,7 +6,7 @@ batches and optimizer, the engine driven and read through the public API only.
   ``gt.data.get_dataloader`` would hand them (the engine splits for the tensor mode itself).
 * ``reference_run``: one plain process, no gridtrain; ``engine_run``: the same through
   ``gt.initialize`` in any layout. Both return a ``Run``: losses, dense weights, the gradient
-  each step applied, the dense optimizer state.
+  each step applied; a ``start_engine`` for tests that drive the engine themselves.
 * ``engine_step``: one optimizer step in any layout: the README's loop, or
   ``execute_schedule`` under pipeline parallelism; ``gradient_accumulation`` micro-steps;
   tensor or dict (Hugging Face) inputs.
@@ -86,24 +86,27 @@ def data_rows(batch, ctx):
 # ---- runs --------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """One run. ``losses[k]``: step k's loss where this rank sees it (else None); ``grads[k]``:
-    the gradient step k applied, by dense name (clipped, if clipping is on); ``optim``: the
-    dense optimizer state after the last step (``gt.full_optimizer_state_dict``'s form).
-    ``norms[k]``: the gradient's 2-norm before clipping (the engine's ``last_grad_norm``,
-    None where it does not clip). ``states[k]``: the weights after k steps (the engine keeps
-    ``states[0]`` only when asked: ``engine_run(initial=True)``, its weights right after
-    ``gt.initialize``). Reference only: ``aliases``, a tied parameter's other names -> the
-    name it is listed under.
-    Engine only: ``shares``, ``held`` (parameter elements this rank
-    holds, a tied copy on another pipeline stage included), ``plan``; ``watched[k]``: what
-    ``engine_run``'s ``watch(engine, outputs)`` returned after step k (``outputs``: the
-    step's model outputs, none under a pipeline) and ``probed``: what ``probe(engine)``
-    returned after training."""
+    """One run.
+
+    * ``losses[k]``: step k's loss where this rank sees it (else None);
+    * ``grads[k]``: the gradient step k applied, by dense name (clipped, if clipping is on);
+    * ``norms[k]``: the gradient's 2-norm before clipping (the engine's ``last_grad_norm``,
+      None where it does not clip);
+    * ``state``: the dense weights at the end; ``states[k]``: after k steps (the engine keeps
+      ``states[0]`` only when asked, ``engine_run(initial=True)``: right after initialize).
+
+    Reference only: ``aliases`` (a tied parameter's other names -> the name it is listed
+    under), ``optim`` (the optimizer state at the end, in ``gt.full_optimizer_state_dict``'s
+    form). Engine only: ``shares``, ``held`` (parameter elements this rank holds, a tied copy
+    on another pipeline stage included), ``plan``, ``watched[k]`` (what ``watch(engine,
+    outputs)`` returned after step k; ``outputs``: the step's model outputs, none under a
+    pipeline) and ``probed`` (what ``probe(engine)`` returned after training).
+    """
 
     losses: list[float | None]
     state: dict[str, Tensor]
     grads: list[dict[str, Tensor]]
-    optim: dict[str, Any]
+    optim: dict[str, Any] = field(default_factory=dict)
     states: list[dict[str, Tensor]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
@@ -136,7 +139,7 @@ def reference_run(build, batches, loss_fn, make_opt, clip: float = 0.0, grad_ste
     steps one given to ``gt.initialize``)."""
     model = build()
     opt, sched = _optimizer(make_opt(model))
-    run = Run([], {}, [], {}, states=[_copy(model.state_dict())], aliases=_aliases(model))
+    run = Run([], {}, [], states=[_copy(model.state_dict())], aliases=_aliases(model))
     before = None
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
@@ -219,14 +222,14 @@ def engine_run(
 ) -> Run:
     """``build()`` trained through ``gt.initialize(model, opt, loss_fn, **init_kw)`` on this
     data-parallel rank's rows of each batch: a ``Run`` with this rank's losses, the dense
-    weights and optimizer state, the first ``grad_steps`` steps' gradients, this rank's
+    weights, the first ``grad_steps`` steps' gradients, this rank's
     ``shares`` and the printed plan. ``load``: a dense state given to
     ``gt.load_full_state_dict`` right after ``gt.initialize`` (a ``gt.lazy_init`` model has
     no weights before it). Collective: every rank gathers the same tensors."""
     model = build()
     dense = {n: p.numel() for n, p in model.named_parameters()}
     engine, _ = start_engine(model, loss_fn, make_opt, load, **init_kw)
-    run = Run([], {}, [], {}, states=[gt.full_state_dict(engine.model)] if initial else [])
+    run = Run([], {}, [], states=[gt.full_state_dict(engine.model)] if initial else [])
     before = None
     for step, batch in enumerate(batches):
         outputs: list = []
@@ -239,7 +242,6 @@ def engine_run(
             after = gt.full_optimizer_state_dict(engine.model, engine.optimizer)
             run.grads.append(stepped_grads(before, after))
             before = after
-    run.optim = gt.full_optimizer_state_dict(engine.model, engine.optimizer)
     run.state = gt.full_state_dict(engine.model)
     run.shares, run.plan = shares(engine, dense), str(engine.plan)
     run.held = sum(local_numel(p) for p in engine.model.parameters())

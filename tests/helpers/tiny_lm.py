@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gridtrain as gt
+from helpers.runs import token_batches
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 64, 16, 4, 2, 8, 8
 LR, GAMMA = 1e-2, 0.8
@@ -72,9 +73,7 @@ def optimizer_and_scheduler(model: nn.Module):
 
 def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` global batches of (token ids, next-token labels)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=g)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
+    return token_batches(steps, BATCH, SEQ, VOCAB, seed=seed)
 
 
 def dense_numel() -> int:
