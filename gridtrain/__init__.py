@@ -23,6 +23,7 @@ from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.dense_state import full_state_dict, load_full_state_dict
 from gridtrain.parallel.materialize import lazy_init
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.plan import PlanError
 from gridtrain.third_party_logs import drop_known_notices
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Engine",
     "ParallelContext",
     "ParallelMode",
+    "PlanError",
     "data",
     "destroy",
     "full_optimizer_state_dict",

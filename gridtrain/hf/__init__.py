@@ -13,8 +13,8 @@ pretrained weights in and out of any layout.
 ``plan_model`` gives the tensor plan
 (``plans.py``: gridtrain's for GPT-2 and Phi-3, the model's own ``_tp_plan`` for the
 Llama family, head checks) and checks what replaced layers must keep computing
-(``families.py``: Gemma's scaled embedding and ``1 + weight`` norms; anything else is
-refused by name), ``after_apply`` fixes what the model's code needs once sharded
+(``families.py``: Gemma's scaled embedding; anything else is refused by name; a
+``1 + weight`` norm is the planner's ``norm_offset``), ``after_apply`` fixes what the model's code needs once sharded
 (``patches.py``, ``families.py``; ring attention and global positions under
 'sequence': ``attention.py``), and ``pipeline_layers`` cuts it along its layer list
 (``pipeline.py``). ``save_pretrained`` / ``load_pretrained`` (``save.py``,

@@ -24,9 +24,11 @@ from gridtrain.parallel.tensor.base import ShardedModule, describe_spec, linear_
 from gridtrain.parallel.tensor.coverage import count_sharded
 from gridtrain.parallel.tensor.entry_input import infer_example
 from gridtrain.parallel.tensor.local_shapes import check_local_shapes
+from gridtrain.parallel.tensor.norm import norm_offset
 from gridtrain.parallel.tensor.plan import (
     KIND_STYLES,
     LINEAR,
+    NORM,
     TRACE_HOW,
     ModelAdapter,
     Plan,
@@ -152,6 +154,8 @@ def _add_entries(plan: Plan, spec: TensorMode, kinds, styles, origin, flow, modu
         style = styles[name]
         if style == "packed_colwise":
             options["packed"] = _packed_blocks(name, modules[name])
+        if kind == NORM and spec.layer_for(name, kind, style, {})[0] is not None:
+            options.update(_norm_options(name, modules[name]))
         options.update(extra.get(name, {}))
         plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
 
@@ -177,6 +181,16 @@ def _check_kinds(given: dict[str, tuple[str, str]], kinds: dict[str, str]) -> No
                 f"{origin}: '{name}' is a {kinds[name]} layer; style '{style}' does not apply "
                 f"(allowed: {', '.join(allowed)})"
             )
+
+
+def _norm_options(name: str, module: nn.Module) -> dict[str, Any]:
+    """``offset=1`` for a norm scaling by ``1 + weight`` (``norm.norm_offset``); a norm of
+    neither form is refused by name, since the mode's norm would compute another function."""
+    try:
+        offset = norm_offset(module)
+    except ValueError as err:
+        raise PlanError(f"'{name}': {err}") from None
+    return {"offset": offset} if offset else {}
 
 
 def _packed_blocks(name: str, module: nn.Module) -> int:

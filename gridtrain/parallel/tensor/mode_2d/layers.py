@@ -31,7 +31,7 @@ from gridtrain.parallel.tensor.mode_2d.grid import (
     matmul_ab,
     replicated,
 )
-from gridtrain.parallel.tensor.norm import norm_kind, normalize_over_group
+from gridtrain.parallel.tensor.norm import norm_kind, normalize_over_group, scale_and_shift
 
 
 class _GridModule(ShardedModule):
@@ -85,14 +85,14 @@ class Linear(_GridModule):
 
 class Norm(_GridModule):
     """LayerNorm or RMSNorm over a hidden dim blocked over the grid row (statistics
-    all-reduced along it, in fp32)."""
+    all-reduced along it, in fp32); ``offset=1`` scales by ``1 + weight`` (Gemma)."""
 
-    def __init__(self, dense: nn.Module, ctx=None):
+    def __init__(self, dense: nn.Module, ctx=None, *, offset: float = 0.0):
         super().__init__(dense, ctx)
         g, kind = self.grid, norm_kind(dense)
         if kind is None:
             raise TypeError(f"Norm: {type(dense).__name__} is not a LayerNorm or an RMSNorm")
-        self.kind = kind
+        self.kind, self.offset = kind, offset
         by = g.q**2 if kind.has_weight or kind.has_bias else g.q
         check_divisible("Norm", "hidden", kind.hidden, by, "hidden blocks x parameter split")
         self.shard("weight", both_axes(0, g))
@@ -103,15 +103,16 @@ class Norm(_GridModule):
         g, k = self.grid, self.kind
         check_width("Norm", x, k.hidden // g.q)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # stats in >= fp32
-        y = normalize_over_group(xf, k.hidden, k.eps, g.row_group, k.rms).to(x.dtype)
-        if self.weight is not None:
-            y = y * gather_col(self.weight, 0, g)
-        if getattr(self, "bias", None) is not None:
-            y = y + gather_col(self.bias, 0, g)
-        return y
+        y = normalize_over_group(xf, k.hidden, k.eps, g.row_group, k.rms)
+        w, b = self.weight, getattr(self, "bias", None)
+        w = gather_col(w, 0, g) if w is not None else None
+        b = gather_col(b, 0, g) if b is not None else None
+        return scale_and_shift(y, w, b, self.offset, x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{'rms' if self.kind.rms else 'layer'} norm over {self.kind.hidden}, {self.grid}"
+        scale = ", (1 + weight)" if self.offset else ""
+        kind = "rms" if self.kind.rms else "layer"
+        return f"{kind} norm over {self.kind.hidden}{scale}, {self.grid}"
 
 
 class Embedding(_GridModule):

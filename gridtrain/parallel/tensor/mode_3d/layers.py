@@ -30,7 +30,7 @@ from gridtrain.parallel.tensor.mode_3d.cube import (
     linear_3d,
     swap_orientation,
 )
-from gridtrain.parallel.tensor.norm import norm_kind, normalize_over_group
+from gridtrain.parallel.tensor.norm import norm_kind, normalize_over_group, scale_and_shift
 from gridtrain.parallel.tensor.vocab import mark_vocab_sharded, vocab_block_lookup
 
 
@@ -76,14 +76,14 @@ class Linear(_CubeModule):
 
 class Norm(_CubeModule):
     """LayerNorm or RMSNorm over a hidden dim split over the hidden axis (statistics
-    all-reduced over it, in fp32)."""
+    all-reduced over it, in fp32); ``offset=1`` scales by ``1 + weight`` (Gemma)."""
 
-    def __init__(self, dense: nn.Module, ctx=None, *, orientation: int = 0):
+    def __init__(self, dense: nn.Module, ctx=None, *, orientation: int = 0, offset: float = 0.0):
         super().__init__(dense, ctx, orientation)
         kind = norm_kind(dense)
         if kind is None:
             raise TypeError(f"Norm: {type(dense).__name__} is not a LayerNorm or an RMSNorm")
-        self.kind = kind
+        self.kind, self.offset = kind, offset
         by = self.cube.d**3 if kind.has_weight or kind.has_bias else self.cube.d
         check_divisible("Norm", "hidden", kind.hidden, by, "hidden blocks x parameter split")
         self.shard("weight", hidden_spec(0, self.cube))
@@ -95,12 +95,10 @@ class Norm(_CubeModule):
         x = as_shard("Norm", x, k.hidden, cube)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         y = normalize_over_group(xf, k.hidden, k.eps, cube.group(cube.hidden_axis), k.rms)
-        y = y.to(x.dtype)
-        if self.weight is not None:
-            y = y * comm.all_gather(self.weight, 0, cube.group(cube.pair))
-        if getattr(self, "bias", None) is not None:
-            y = y + comm.all_gather(self.bias, 0, cube.group(cube.pair))
-        return y
+        w, b = self.weight, getattr(self, "bias", None)
+        w = comm.all_gather(w, 0, cube.group(cube.pair)) if w is not None else None
+        b = comm.all_gather(b, 0, cube.group(cube.pair)) if b is not None else None
+        return scale_and_shift(y, w, b, self.offset, x.dtype)
 
 
 class _Orientation0(_CubeModule):
