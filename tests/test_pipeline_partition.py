@@ -129,6 +129,7 @@ def test_lazy_init_materialises_only_the_kept_layers():
     assert rebound is opt, "same object: the LR scheduler still drives it"
     (group,) = opt.param_groups
     assert group["lr"] == 0.3 and group["momentum"] == 0.5
+    opt.step()  # no gradients yet: moves nothing, but orders the scheduler's step after it
     sched.step()
     assert group["lr"] == 0.15
     assert {id(p) for p in group["params"]} == {id(p) for p in module.parameters()}
