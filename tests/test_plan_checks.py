@@ -22,7 +22,6 @@ from helpers.harness import run_distributed
 from torch import nn
 
 import gridtrain as gt
-from gridtrain.parallel.tensor.plan import PlanError
 
 
 class Block(nn.Module):
@@ -63,7 +62,7 @@ def _init_error(ctx, from_activation):
     ids = torch.zeros(4, 8, dtype=torch.long)  # given: these tests are about the shapes
     try:
         gt.initialize(model, opt, gt.nn.CrossEntropyLoss(), example_inputs=ids)
-    except PlanError as err:
+    except gt.PlanError as err:
         return str(err), {id(p) for p in model.parameters()} == params
     return None, True
 
@@ -127,7 +126,7 @@ def _cnn(ctx):
     logger.addHandler(handler)
     try:
         engine, *_ = gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    except PlanError as err:
+    except gt.PlanError as err:
         return str(err), []
     finally:
         logger.removeHandler(handler)
