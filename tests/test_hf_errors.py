@@ -160,6 +160,26 @@ def test_a_layer_replaced_by_something_else_is_refused_by_name(path, words):
             assert w in message, message
 
 
+def _kept_embedding(ctx):
+    model = tiny_model("llama")
+    old = model.model.embed_tokens
+    model.model.embed_tokens = ShiftedEmbedding(old.num_embeddings, old.embedding_dim)
+    model.to(torch.float64)
+    x = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = model.model.embed_tokens(x)
+    engine, *_ = gt.initialize(model, adamw(model), lm_loss)
+    kept = engine.model.model.embed_tokens
+    return type(kept).__name__, torch.equal(kept(x), want)
+
+
+def test_an_embedding_kept_whole_by_the_plan_keeps_its_forward():
+    """The refusal above advises keeping the embedding whole: under 1d with that plan entry,
+    the user's embedding stays, shift included (no tensor-parallel embedding replaces it)."""
+    config = _tensor(2, "1d", plan={"model.embed_tokens": "replicate"})
+    for name, same in run_distributed(_kept_embedding, 2, config=config):
+        assert name == "ShiftedEmbedding" and same, name
+
+
 def test_unequal_packed_blocks_are_refused_by_name():
     """Phi-3 with grouped key/value heads: q, k and v differ in width; a config plan asking for
     equal packed blocks would give each rank the wrong heads."""

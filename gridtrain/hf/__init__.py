@@ -53,7 +53,7 @@ def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[di
     from gridtrain.hf.plans import tensor_plan, trace_example
 
     plan = tensor_plan(model, ctx)
-    families.check(model, ctx.tensor_mode)
+    families.check(model, ctx.tensor_mode, ctx.config.parallel.tensor.plan or {})
     if not model.config.architectures:
         model.config.architectures = [type(model).__name__]
     give_reset_parameters(model)  # gt.lazy_init: shards re-run the model's own init
@@ -62,7 +62,7 @@ def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[di
 
 def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:
     """Once the plan is applied: local head counts (GPT-2, Phi-3), what replaced layers must
-    keep computing (Gemma's scaled embedding and ``1 + weight`` norms), ring attention under
+    keep computing (Gemma's scaled embedding), ring attention under
     'sequence'."""
     from gridtrain.hf import families
     from gridtrain.hf.attention import install

@@ -18,22 +18,26 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from gridtrain.parallel.tensor.plan import PlanError
+from gridtrain.parallel.tensor.plan import PlanError, match_patterns
 
 # model -> {path: (its embedding scale, the module found there)}, from check to restore
 _FIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def check(model: nn.Module, mode: str | None) -> None:
+def check(model: nn.Module, mode: str | None, given: dict[str, str]) -> None:
     """Record the fixes ``model`` needs under tensor ``mode``; raise PlanError naming a module
-    whose computation a replacement would change (module docstring)."""
+    whose computation a replacement would change (module docstring). ``given``: the config's
+    plan (HF patterns); an embedding it keeps whole (``replicate``) keeps its own forward."""
     fixes: dict[str, tuple[Tensor, nn.Module]] = {}
     if mode not in (None, "sequence"):
-        for name, module in model.named_modules():
-            if (
-                isinstance(module, nn.Embedding)
-                and type(module).forward is not nn.Embedding.forward
-            ):
+        custom = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and type(module).forward is not nn.Embedding.forward
+        }
+        kept = match_patterns(given, list(custom), "parallel.tensor.plan", strict=False)
+        for name, module in custom.items():
+            if kept.get(name) != "replicate":
                 fixes[name] = (_embedding_scale(name, module), module)
     _FIXES[model] = fixes
 
