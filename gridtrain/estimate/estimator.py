@@ -242,11 +242,12 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     exposed_dp += max(0.0, prefetched - compute * sc.micro_batches)
     nb = dtype_bytes(sc.amp)
     opt_bytes = 2 * (states.weights + states.grads + states.master_grads + states.optimizer)
-    offload = (params * nb["w"] * 2) / device.pcie if sc.offload else 0.0
-    if sc.offload and sc.zero == 3:  # Gemini: gradients stream during each backward, the
-        backward_s = compute * 2 / 3 * sc.micro_batches  # masters come back after the step
+    if sc.gemini:  # gradients stream during each backward, masters come back after the step
+        backward_s = compute * 2 / 3 * sc.micro_batches
         offload = max(0.0, states.pcie_d2h / device.pcie - backward_s)
         offload += states.pcie_h2d / device.pcie + states.host / 16 / device.cpu_adam
+    else:
+        offload = (params * nb["w"] * 2) / device.pcie if sc.offload else 0.0
     tail = exposed_dp + opt_bytes / device.hbm_bw + after + offload
     times = (tensor_s, p2p_s, overlapped, exposed_dp, tail)
     return params, states, acts.per_microbatch, acts.block, (micro, steps), compute, times

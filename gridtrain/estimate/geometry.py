@@ -16,7 +16,9 @@ head) or ``"row"`` (proj, fc2) on one rank.
 from __future__ import annotations
 
 import dataclasses
-import math
+
+from gridtrain.parallel.tensor.mode_2d.grid import grid_side
+from gridtrain.parallel.tensor.mode_3d.cube import cube_side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +31,9 @@ class Geometry:
     @classmethod
     def of(cls, mode: str | None, size: int, depth: int = 1) -> Geometry:
         if mode in ("2d", "2.5d"):
-            side = math.isqrt(size // depth)
+            side = grid_side(size, depth)
         elif mode == "3d":
-            side = round(size ** (1 / 3))
+            side = cube_side(size)
         else:
             side = size
         return cls(mode, size, side, depth if mode == "2.5d" else 1)

@@ -99,8 +99,9 @@ def model_states(shapes, sc: Scenario, largest_layer: int = 0) -> ModelStates:
     group: stages 1-2 give the optimizer the rank's rows (fp32 copies under naive fp16
     or offload, else views of the model's rows) and the reduce-scattered gradient rows
     (fp32 copies under naive fp16, else views of the bucket); stage 1 keeps the model's
-    full gradients, stage 2 drops them. Stage 3 (FSDP2) keeps fp32 rows of parameters
-    and gradients, which are also the masters; offload moves them to host memory.
+    full gradients, stage 2 drops them; offload moves the optimizer's rows to host memory.
+    Stage 3 (FSDP2) keeps fp32 rows of parameters and gradients, which are also the
+    masters; with offload it is Gemini (``gemini_states``).
     """
     nb = dtype_bytes(sc.amp)
     naive = sc.amp == "naive"
@@ -111,22 +112,17 @@ def model_states(shapes, sc: Scenario, largest_layer: int = 0) -> ModelStates:
         return ModelStates(full * nb["w"], full * nb["w"], masters, masters, full * 8, tensors * 4)
     rows = sum(owned(shape, sc.zero_group) * k for shape, k in shapes)
     steps = tensors * 4
-    if sc.zero == 3 and sc.offload:
+    if sc.gemini:
         return gemini_states(full, rows, steps, sc, largest_layer)
     if sc.zero == 3:
         gathered = 2 * largest_layer * (2 if sc.amp in ("naive", "bf16") else 4)
-        states = ModelStates(rows * 4, rows * 4, 0, 0, rows * 8, steps, 0.0, gathered)
-    else:
-        copy = naive or sc.offload
-        masters = rows * 4 if copy else 0
-        master_grads = rows * (4 if naive else nb["w"])
-        grads = full * nb["w"] if sc.zero == 1 else 0
-        states = ModelStates(full * nb["w"], grads, masters, master_grads, rows * 8, steps)
-    if sc.offload:  # optimizer rows (stage 3: parameters and gradients too) live on the host
+        return ModelStates(rows * 4, rows * 4, 0, 0, rows * 8, steps, 0.0, gathered)
+    masters = rows * 4 if naive or sc.offload else 0
+    master_grads = rows * (4 if naive else nb["w"])
+    grads = full * nb["w"] if sc.zero == 1 else 0
+    states = ModelStates(full * nb["w"], grads, masters, master_grads, rows * 8, steps)
+    if sc.offload:  # the optimizer's rows live on the host
         moved = states.master_weights + states.master_grads + states.moments + states.steps
-        if sc.zero == 3:
-            moved += states.weights + states.grads
-            states = dataclasses.replace(states, weights=0, grads=0)
         states = dataclasses.replace(
             states, master_weights=0, master_grads=0, moments=0, steps=0, host=moved
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 from gridtrain.config import Config, ConfigError
@@ -20,6 +19,8 @@ from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.shards import TensorShards, tensor_shards
 from gridtrain.estimate.skeleton import meta_skeleton
 from gridtrain.parallel.pipeline.balance import LayerCosts, layer_costs, partition
+from gridtrain.parallel.tensor.mode_2d.grid import grid_side
+from gridtrain.parallel.tensor.mode_3d.cube import cube_side
 from gridtrain.parallel.tensor.plan import PlanError
 from gridtrain.parallel.tensor.registry import mode_spec
 
@@ -65,6 +66,11 @@ class Scenario:
     @property
     def global_batch(self) -> int:
         return self.data * self.micro_batches * self.micro_batch
+
+    @property
+    def gemini(self) -> bool:
+        """ZeRO 3 with offload: ``parallel/zero/offload.py``'s runtime."""
+        return self.zero == 3 and self.offload
 
     @property
     def zero_group(self) -> int:
@@ -309,13 +315,13 @@ def _zero_of(cfg: Config) -> tuple[int, bool]:
 def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
     """How many blocks a micro-batch's rows are cut into on one tensor group."""
     if mode == "2d":
-        q = math.isqrt(t)
+        q = grid_side(t)
         return q, f"the grid rows (q = {q})"
     if mode == "2.5d":
-        q = math.isqrt(t // depth)
+        q = grid_side(t, depth)
         return depth * q, f"depth {depth} x q {q} = {depth * q} batch blocks"
     if mode == "3d":
-        d = round(t ** (1 / 3))
+        d = cube_side(t)
         return d * d, f"d*d = {d * d} batch blocks of the cube"
     return 1, "nothing"
 

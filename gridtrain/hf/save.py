@@ -30,7 +30,6 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +124,7 @@ def _write_file(path: Path, keys, by_key: dict[str, Entry], meta, ctx, index: in
     stage gathers each in turn, the file's writer writes it."""
     info = {key: (shape, dtype) for key, shape, dtype, _, _ in meta}
     writing = _writes(ctx, index)
-    with atomic_file(path) if writing else contextlib.nullcontext() as out:
+    with ckpt_files.atomic_file(path, _rename) if writing else contextlib.nullcontext() as out:
         if out is not None:
             out.write(_header(keys, info))
         for key in keys:
@@ -135,21 +134,10 @@ def _write_file(path: Path, keys, by_key: dict[str, Entry], meta, ctx, index: in
             del dense
 
 
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator:
-    """A binary file that appears at ``path`` only once complete: written under a temporary
-    name of ours beside it (``files.temp_prefix``: a later save's ``clean_stale`` removes it
-    if this process dies), synced, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=ckpt_files.temp_prefix(path))
-    try:
-        with os.fdopen(fd, "wb") as out:
-            yield out
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _rename(tmp: Path, path: Path) -> None:
+    """Over whatever weight file is there: a Hugging Face directory is not a checkpoint of
+    ours (``files.replace`` would refuse it)."""
+    os.replace(tmp, path)
     ckpt_files.fsync_dir(path.parent)
 
 
@@ -178,7 +166,7 @@ def _write_index(directory: Path, files, stages) -> None:
     weight_map = {key: name for name, _, keys in files for key in keys}
     total = sum(sizes[k] for k in weight_map)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with atomic_file(directory / INDEX) as out:
+    with ckpt_files.atomic_file(directory / INDEX, _rename) as out:
         out.write((json.dumps(index, indent=2) + "\n").encode())
 
 

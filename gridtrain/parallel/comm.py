@@ -19,9 +19,10 @@ from torch import Tensor
 
 Group = dist.ProcessGroup | None
 
-# torch >= 2.12 names the fused tensor collectives *_single; earlier releases have only the old names
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's flat-tensor collectives: torch >= 2.12 names them *_single, earlier releases have
+# only the old names (the ZeRO buckets call them too, asynchronously)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ---- byte accounting (benchmarks/comm_volume.py) -----------------------------------------
 _COUNTER: Counter | None = None
@@ -69,7 +70,7 @@ def _all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((n * x0.shape[0],) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
     _count("all_gather", x0, n - 1)
-    _all_gather_single(out, x0, group=group)
+    all_gather_single(out, x0, group=group)
     return out.movedim(0, dim)
 
 
@@ -84,7 +85,7 @@ def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // n,) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
     _count("reduce_scatter", out, n - 1)
-    _reduce_scatter_single(out, x0, group=group)
+    reduce_scatter_single(out, x0, group=group)
     return out.movedim(0, dim)
 
 

@@ -33,7 +33,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -303,22 +303,31 @@ def clean_stale(directory: Path) -> list[str]:
     return handled
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a fresh ``O_EXCL`` temporary beside ``path``, sealed with its CRC-32
-    (``integrity``), fsync, rename over it."""
-    check_target(path)
+@contextlib.contextmanager
+def atomic_file(path: Path, put: Callable[[Path, Path], None] = replace) -> Iterator:
+    """A binary file that appears at ``path`` only once complete: written to a fresh
+    ``O_EXCL`` temporary of ours beside it (``temp_prefix``: a later save's ``clean_stale``
+    removes it if this process dies), synced, then ``put`` over ``path`` (``replace``:
+    refuses a target that is not ours)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
     try:
-        with os.fdopen(fd, "wb") as f:
-            sealing = integrity.SealingWriter(f)
-            torch.save(obj, sealing)
-            sealing.seal()
-            f.flush()
-            os.fsync(f.fileno())
-        replace(Path(tmp), path)
+        with os.fdopen(fd, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        put(Path(tmp), path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through ``atomic_file``, sealed with its CRC-32 (``integrity``)."""
+    check_target(path)
+    with atomic_file(path) as f:
+        sealing = integrity.SealingWriter(f)
+        torch.save(obj, sealing)
+        sealing.seal()
 
 
 def write_marker(directory: Path, text: str) -> None:

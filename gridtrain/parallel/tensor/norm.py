@@ -105,16 +105,19 @@ def norm_offset(module: nn.Module) -> float:
     )
 
 
-def scale_and_shift(
-    y: Tensor, weight: Tensor | None, bias: Tensor | None, offset: float, dtype
+def norm_over_group(
+    x: Tensor, kind: NormKind, group, weight: Tensor | None, bias: Tensor | None, offset: float
 ) -> Tensor:
-    """The normalised ``y`` (at least fp32) times ``offset + weight``, plus ``bias``, in
-    ``dtype``. ``offset`` != 0 scales before the cast, as Gemma does: in bf16, ``1 + w``
-    would lose a small weight's low bits."""
+    """The grid norms' forward: ``x`` (this rank's block) normalised over ``group`` with
+    statistics in at least fp32, times ``offset + weight``, plus ``bias``, in ``x``'s dtype.
+    ``weight`` and ``bias`` are this block's, already gathered. ``offset`` != 0 scales
+    before the cast, as Gemma does: in bf16, ``1 + w`` would lose a small weight's low bits."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    y = normalize_over_group(xf, kind.hidden, kind.eps, group, kind.rms)
     if offset and weight is not None:
         y = y * (offset + weight.to(y.dtype))
         weight = None
-    y = y.to(dtype)
+    y = y.to(x.dtype)
     if weight is not None:
         y = y * weight
     return y + bias if bias is not None else y

@@ -43,17 +43,6 @@ def optimizer_state_bytes(optimizer) -> int:
     return _bytes(tensors, {})
 
 
-def optimizer_state_numel(optimizer) -> int:
-    """Elements of every tensor in ``optimizer.state`` with a dim (steps counters left out)."""
-    state = _inner(optimizer).state
-    return sum(
-        local(v).numel()
-        for s in state.values()
-        for v in s.values()
-        if isinstance(v, Tensor) and v.dim() > 0
-    )
-
-
 def memory_report(model: nn.Module, optimizer) -> dict[str, int]:
     """Bytes this rank holds: ``parameters`` (the model's, as they rest between steps),
     ``masters`` (the optimizer's parameters where they are not the model's: fp32 copies),

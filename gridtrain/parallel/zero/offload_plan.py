@@ -1,7 +1,8 @@
 """Gemini's plan, process-free: chunks from units, which stay on the device, and what moves.
 
-Shared by the runtime (``offload``), ``gridtrain estimate`` and ``benchmarks/offload.py``,
-so the bytes a run moves are checked against the same formula that predicts them.
+Shared by the runtime (``offload``) and ``benchmarks/offload.py``, so the bytes a run moves
+are checked against the formula that predicts them; ``gridtrain estimate``
+(``estimate/memory.gemini_states``) counts the same bytes per element.
 
 Per parameter element on a data group of ``n``: the host keeps ``4/n`` bytes of fp32
 master, ``4/n`` of gradient, ``8/n`` of Adam moments and, for a streamed chunk whose compute

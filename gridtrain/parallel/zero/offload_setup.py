@@ -43,13 +43,8 @@ def host_full(built: list[Chunk], groups) -> MemoryError:
 def move_state(optimizer: Optimizer, p: Tensor, slot) -> None:
     """Optimizer state loaded before ``initialize``: keep this rank's rows, on the host."""
     state = optimizer.state.pop(p, None)
-    if state is None:
-        return
-    lo, hi = slot.shard.lo, slot.shard.hi
-    optimizer.state[slot.master] = {
-        k: v[lo:hi].clone().cpu() if isinstance(v, Tensor) and v.shape == p.shape and v.dim() else v
-        for k, v in state.items()
-    }
+    if state is not None:
+        optimizer.state[slot.master] = slot.shard.owned_state(state, torch.device("cpu"))
 
 
 def fuse_on_cpu(optimizer: Optimizer) -> None:

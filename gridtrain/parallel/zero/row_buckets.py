@@ -13,17 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gridtrain.parallel.comm import all_gather_single, reduce_scatter_single
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.sync.buckets import FlatBucket, group_buckets, param_bytes
 from gridtrain.parallel.tags import is_pipeline_shared
-from gridtrain.parallel.zero.rows import (
-    all_gather_single,
-    as_rows,
-    chunk_rows,
-    owned_range,
-    reduce_scatter_single,
-)
+from gridtrain.parallel.zero.rows import as_rows, chunk_rows, owned_range
 
 
 class RowShard:
@@ -42,6 +37,17 @@ class RowShard:
     def padded(self) -> int:
         """Elements of one rank's chunk in a bucket segment."""
         return self.chunk * self.row_numel
+
+    def owned_state(self, state: dict, device: torch.device) -> dict:
+        """Optimizer state of the parameter loaded before ``initialize``: each moment (shaped
+        as the parameter) cut to this rank's rows, on ``device``; scalars as they are."""
+        shape = self.param.shape
+        return {
+            k: v[self.lo : self.hi].clone().to(device)
+            if isinstance(v, Tensor) and v.dim() > 0 and v.shape == shape
+            else v
+            for k, v in state.items()
+        }
 
     def chunks(self, flat: Tensor, n: int) -> Tensor:
         """``flat`` ([n, segment] slice of this shard) as [n, chunk, row]."""

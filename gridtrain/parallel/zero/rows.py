@@ -18,21 +18,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from gridtrain.parallel.comm import all_gather_single
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 
 _ZERO_ROWS = "_gt_zero_rows"
 _ZERO_OWNER = "_gt_zero_owner"
-
-# comm.py has no asynchronous reduce-scatter / all-gather into one flat tensor (what the
-# buckets of stages 1-2 overlap with backward); these are torch's, under whichever of its
-# two names this torch has
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ZeroRows(NamedTuple):

@@ -84,7 +84,7 @@ class Stage12Zero(GradSync):
                 new_of[id(p)] = shard.master
                 state = optimizer.state.pop(p, None)
                 if state is not None:  # loaded before initialize: keep this rank's rows
-                    optimizer.state[shard.master] = _owned_state(state, p, shard)
+                    optimizer.state[shard.master] = shard.owned_state(state, shard.master.device)
         rebind_optimizer(optimizer, new_of)
         self.buckets = build_row_buckets(self.shards, ctx, stage == 2, bucket_size_mb)
         self._overlapped = OverlappedDataParallel(model, ctx, buckets=self.buckets)
@@ -133,12 +133,3 @@ class Stage12Zero(GradSync):
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         """(model parameter, optimizer parameter) pairs."""
         return [(s.param, s.master) for s in self.shards]
-
-
-def _owned_state(state: dict, p: Tensor, shard: RowShard) -> dict:
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape == p.shape:
-            value = value[shard.lo : shard.hi].clone().to(shard.master.device)
-        out[key] = value
-    return out

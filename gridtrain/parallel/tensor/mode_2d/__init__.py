@@ -13,11 +13,10 @@ and loss (``loss.py``); they differ only in their groups (``grid.grid_groups``).
 
 import dataclasses
 import functools
-import math
 
 from gridtrain.parallel.tensor import blocked
 from gridtrain.parallel.tensor.mode_2d import layers, vocab
-from gridtrain.parallel.tensor.mode_2d.grid import SummaGrid, grid_groups
+from gridtrain.parallel.tensor.mode_2d.grid import SummaGrid, grid_groups, grid_side
 from gridtrain.parallel.tensor.mode_2d.layers import (
     Classifier,
     Embedding,
@@ -30,7 +29,7 @@ from gridtrain.parallel.tensor.mode_2d.vocab import VocabParallelClassifier, Voc
 
 
 def _head_split(size: int, depth: int) -> tuple[int, str]:
-    q = math.isqrt(size // depth)
+    q = grid_side(size, depth)
     return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
 
 

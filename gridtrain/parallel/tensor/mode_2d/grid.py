@@ -38,12 +38,17 @@ _MODES = {
 }
 
 
+def grid_side(size: int, depth: int = 1) -> int:
+    """q, the side of the q x q grid of ``size`` ranks in ``depth`` layers (2d: depth 1)."""
+    return math.isqrt(size // depth)
+
+
 def grid_groups(mode: str, size: int, depth: int) -> dict[PM, list[list[int]]]:
     """One tensor block's groups under ``mode`` ('2d' or '2.5d'): rank (k, i, j) is tensor
     rank ``k*q*q + i*q + j``; a row group holds a grid row (j varies), a column group a grid
     column (i varies), and under 2.5d a depth group (k varies) and an XZ group (k, j vary)."""
     row, col, dep = _MODES[mode]
-    q = math.isqrt(size // depth)
+    q = grid_side(size, depth)
     ks, qs = range(depth), range(q)
 
     def at(k: int, i: int, j: int) -> int:

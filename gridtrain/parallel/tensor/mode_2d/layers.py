@@ -31,7 +31,7 @@ from gridtrain.parallel.tensor.mode_2d.grid import (
     matmul_ab,
     replicated,
 )
-from gridtrain.parallel.tensor.norm import norm_kind, normalize_over_group, scale_and_shift
+from gridtrain.parallel.tensor.norm import norm_kind, norm_over_group
 
 
 class _GridModule(ShardedModule):
@@ -102,12 +102,11 @@ class Norm(_GridModule):
     def forward(self, x: Tensor) -> Tensor:
         g, k = self.grid, self.kind
         check_width("Norm", x, k.hidden // g.q)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # stats in >= fp32
-        y = normalize_over_group(xf, k.hidden, k.eps, g.row_group, k.rms)
-        w, b = self.weight, getattr(self, "bias", None)
-        w = gather_col(w, 0, g) if w is not None else None
-        b = gather_col(b, 0, g) if b is not None else None
-        return scale_and_shift(y, w, b, self.offset, x.dtype)
+        w, b = (
+            gather_col(t, 0, g) if t is not None else None
+            for t in (self.weight, getattr(self, "bias", None))
+        )
+        return norm_over_group(x, k, g.row_group, w, b, self.offset)
 
     def extra_repr(self) -> str:
         scale = ", (1 + weight)" if self.offset else ""

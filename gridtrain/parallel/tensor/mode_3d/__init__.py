@@ -6,7 +6,13 @@ batch split (``cube.py``) and loss (``loss.py``)."""
 
 from gridtrain.parallel.tensor import blocked
 from gridtrain.parallel.tensor.mode_3d import layers
-from gridtrain.parallel.tensor.mode_3d.cube import Cube, cube_groups, split_batch, swap_orientation
+from gridtrain.parallel.tensor.mode_3d.cube import (
+    Cube,
+    cube_groups,
+    cube_side,
+    split_batch,
+    swap_orientation,
+)
 from gridtrain.parallel.tensor.mode_3d.layers import (
     Classifier,
     Embedding,
@@ -21,7 +27,7 @@ from gridtrain.parallel.tensor.mode_3d.orientations import orientation_options
 
 
 def _head_split(size: int, depth: int) -> tuple[int, str]:
-    d = round(size ** (1 / 3))
+    d = cube_side(size)
     return d, f"the cube's hidden axis (d = {d})"
 
 

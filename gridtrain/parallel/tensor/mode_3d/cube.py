@@ -44,10 +44,15 @@ INPUT, WEIGHT, OUTPUT = PM.PARALLEL_3D_INPUT, PM.PARALLEL_3D_WEIGHT, PM.PARALLEL
 PAIR = {WEIGHT: PM.PARALLEL_3D_INPUT_X_WEIGHT, OUTPUT: PM.PARALLEL_3D_INPUT_X_OUTPUT}
 
 
+def cube_side(size: int) -> int:
+    """d, the side of the d x d x d cube of ``size`` ranks."""
+    return round(size ** (1 / 3))
+
+
 def cube_groups(size: int, depth: int = 1) -> dict[PM, list[list[int]]]:
     """One tensor block's groups: rank (i, j, k) is tensor rank ``k*d*d + j*d + i``; one group
     per axis (its coordinate varies) and per pair of axes (both vary)."""
-    d = round(size ** (1 / 3))
+    d = cube_side(size)
     r = range(d)
 
     def at(i: int, j: int, k: int) -> int:

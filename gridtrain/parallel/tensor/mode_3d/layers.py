@@ -30,7 +30,7 @@ from gridtrain.parallel.tensor.mode_3d.cube import (
     linear_3d,
     swap_orientation,
 )
-from gridtrain.parallel.tensor.norm import norm_kind, normalize_over_group, scale_and_shift
+from gridtrain.parallel.tensor.norm import norm_kind, norm_over_group
 from gridtrain.parallel.tensor.vocab import mark_vocab_sharded, vocab_block_lookup
 
 
@@ -93,12 +93,11 @@ class Norm(_CubeModule):
     def forward(self, x: Tensor) -> Tensor:
         cube, k = self.cube, self.kind
         x = as_shard("Norm", x, k.hidden, cube)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = normalize_over_group(xf, k.hidden, k.eps, cube.group(cube.hidden_axis), k.rms)
-        w, b = self.weight, getattr(self, "bias", None)
-        w = comm.all_gather(w, 0, cube.group(cube.pair)) if w is not None else None
-        b = comm.all_gather(b, 0, cube.group(cube.pair)) if b is not None else None
-        return scale_and_shift(y, w, b, self.offset, x.dtype)
+        w, b = (
+            comm.all_gather(t, 0, cube.group(cube.pair)) if t is not None else None
+            for t in (self.weight, getattr(self, "bias", None))
+        )
+        return norm_over_group(x, k, cube.group(cube.hidden_axis), w, b, self.offset)
 
 
 class _Orientation0(_CubeModule):
