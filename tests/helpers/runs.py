@@ -73,6 +73,16 @@ def token_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 1) -
     return out
 
 
+def lm_loss(logits, labels):
+    """Next-token cross entropy through ``gt.nn.CrossEntropyLoss``: any layout's logits."""
+    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def dense_lm_loss(logits, labels):
+    """The same loss in plain PyTorch, for the one-process reference."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 def data_rows(batch, ctx):
     """This data-parallel rank's contiguous rows of a global batch: of a tensor, of every
     tensor of a dict, or of every item of a tuple."""

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gridtrain as gt
-from helpers.runs import token_batches
+from helpers.runs import lm_loss, token_batches  # noqa: F401 - lm_loss: the script's loss
 
 VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 64, 16, 4, 2, 8, 8
 LR, GAMMA = 1e-2, 0.8
@@ -59,10 +58,6 @@ def build_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> LM:
     """The model from ``seed`` (float64: layouts then differ only by summation order)."""
     torch.manual_seed(seed)
     return LM().to(dtype)
-
-
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def optimizer_and_scheduler(model: nn.Module):
