@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
-from helpers.runs import Ints, Normal, batches, data_rows, engine_run, engine_step
+from helpers.runs import Ints, Normal, batches, data_rows, engine_run, engine_step, local_numel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -87,7 +87,9 @@ def _sgd(model):
 
 def _train(ctx, state, data, cfg=CFG):
     """Per step: this rank's output, input gradient, the synced gradients (read back dense
-    from the optimizer's momentum), its loss and dropped tokens; the final dense state."""
+    from the optimizer's momentum), its loss and dropped tokens; the final dense state; the
+    elements of the first expert weight this rank holds (``run.shares`` cannot tell: the
+    experts are cut when the model is built, before ``engine_run`` counts the dense sizes)."""
     torch.manual_seed(5)
     model = WideNet(cfg)
     gt.load_full_state_dict(model, state)
@@ -109,7 +111,7 @@ def _train(ctx, state, data, cfg=CFG):
     steps = []
     for (x, _), (out, dropped), grads, loss in zip(data, run.watched, run.grads, run.losses):
         steps.append((out, data_rows(x.grad, ctx), grads, loss, dropped))
-    return steps, run.state
+    return steps, run.state, local_numel(model.moe.experts.w1)
 
 
 LAYOUTS = {
@@ -138,11 +140,15 @@ def _ref(data_size):
 def test_expert_parallel_equals_one_process(name):
     world, config = LAYOUTS[name]
     tp = config.get("parallel", {}).get("tensor", {}).get("size", 1)
+    ep = config["moe"]["expert_parallel_size"]
     data = world // tp
     ref_steps, ref_final = _ref(data)
     results = run_distributed(_train, world, _dense_state(), _batches(), config=config, timeout=300)
     errors = {"out": 0.0, "xgrad": 0.0, "grad": 0.0, "weight": 0.0}
-    for rank, (steps, final) in enumerate(results):
+    dense_w1 = _dense_state()["moe.experts.w1"].numel()
+    for rank, (steps, final, w1_held) in enumerate(results):
+        # each rank holds only its num_experts / ep experts (a replica would hold all of them)
+        assert w1_held == dense_w1 // ep, (name, rank, w1_held, dense_w1)
         dr = rank // tp
         for (out, xg, grads, loss, dropped), (r_out, r_xg, r_grads, r_losses, r_drops) in zip(
             steps, ref_steps, strict=True
@@ -208,7 +214,7 @@ def test_indivisible_experts_error_before_any_collective():
 
 
 def _train_amp(ctx, state, batches):
-    steps, _ = _train(ctx, state, batches)  # the precision comes from the launch config
+    steps, *_ = _train(ctx, state, batches)  # the precision comes from the launch config
     return [s[3] for s in steps]
 
 
