@@ -169,18 +169,19 @@ def test_gt_nn_layers_are_plain_modules():
     assert model.h0.attn.qkv.weight.shape == (3 * CFG.n_embd, CFG.n_embd)
 
 
+# name: (world, tensor config, global batch, the share of h0.mlp.fc.weight each rank holds)
 LAYOUTS = {
-    "1d2": (2, dict(size=2, mode="1d"), 4),
-    "1d4": (4, dict(size=4, mode="1d"), 4),
-    "2d": (4, dict(size=4, mode="2d"), 8),
-    "2.5d": (8, dict(size=8, mode="2.5d", depth=2), 8),
-    "3d": (8, dict(size=8, mode="3d"), 8),
+    "1d2": (2, dict(size=2, mode="1d"), 4, 1 / 2),
+    "1d4": (4, dict(size=4, mode="1d"), 4, 1 / 4),
+    "2d": (4, dict(size=4, mode="2d"), 8, 1 / 4),  # a 2 x 2 grid of blocks
+    "2.5d": (8, dict(size=8, mode="2.5d", depth=2), 8, 1 / 4),
+    "3d": (8, dict(size=8, mode="3d"), 8, 1 / 8),  # a 2 x 2 x 2 cube
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_tensor_mode_equals_dense_after_adamw_steps(name):
-    world, tensor, batch = LAYOUTS[name]
+    world, tensor, batch, share = LAYOUTS[name]
     batches = _batches(batch=batch)
     ref = reference_run(lambda: gpt_model.GPT(CFG, seed=0), batches, gpt_model.GPTLoss(), _adamw)
     dense_init, dense_losses = ref.states[0], ref.losses
@@ -191,6 +192,9 @@ def test_every_tensor_mode_equals_dense_after_adamw_steps(name):
         kinds, copied = run.probed
         if tensor["mode"] == "1d":  # the traced plan pairs qkv/proj and fc/fc2
             assert kinds == {"h0.attn.qkv": "ColumnLinear", "h0.mlp.fc2": "RowLinear"}, kinds
+        # each rank holds only its block of the weight (a full replica would hold 1.0)
+        got = run.shares["h0.mlp.fc.weight"]
+        assert got == pytest.approx(share), (name, rank, got)
         assert init.keys() == dense_init.keys()
         for k, v in dense_init.items():
             # each rank cut its shard from the same dense weights: bit-identical
