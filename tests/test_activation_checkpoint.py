@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
-from helpers.runs import assert_grads_close, engine_run, reference_run, seeded, token_batches
+from helpers.runs import (
+    assert_grads_close,
+    dense_lm_loss,
+    engine_run,
+    reference_run,
+    seeded,
+    token_batches,
+)
 
 import gridtrain as gt
 
@@ -58,9 +65,7 @@ def _train(ctx, batches):
 def test_recomputed_blocks_train_as_stored_ones(name):
     world, parallel = LAYOUTS[name]
     batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
-    ref = reference_run(
-        _model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    ref = reference_run(_model, batches, dense_lm_loss, _adamw)
     d_losses, d_final = ref.losses, ref.state
     results = run_distributed(_train, world, batches, config=dict(AC, **parallel), timeout=300)
     for rank, (run, wrapped) in enumerate(results):

@@ -12,21 +12,16 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.checkpoint_forge import forge_marker
+from helpers.checkpoint_forge import dead_pid, forge_marker, model_and_opt, temp_name
 from helpers.harness import run_distributed
 
-from gridtrain.engine.checkpoint import (
-    CheckpointTargetError,
-    files,
-    load_checkpoint,
-    save_checkpoint,
-)
+import gridtrain as gt
+from gridtrain.engine.checkpoint import CheckpointTargetError, files
 
 TIMEOUT = 300
 
@@ -41,28 +36,22 @@ class Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _model_and_opt():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
 def _try_load(ctx, path, with_extra=False):
-    model, opt = _model_and_opt()
+    model, opt = model_and_opt()
     try:
-        load_checkpoint(path, model, opt, extra={} if with_extra else None)
+        gt.load_checkpoint(path, model, opt, extra={} if with_extra else None)
     except Exception as err:  # noqa: BLE001 - the test inspects it
         return type(err).__name__, str(err)
     return None, "loaded"
 
 
 def _save(ctx, path, sharded, evil_marker=None):
-    model, opt = _model_and_opt()
+    model, opt = model_and_opt()
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     # built here: passing it to the worker would unpickle (run) it on the way
     extra = {"evil": Evil(evil_marker)} if evil_marker else None
-    save_checkpoint(path, 1, model, opt, sharded=sharded, extra=extra)
+    gt.save_checkpoint(path, 1, model, opt, sharded=sharded, extra=extra)
 
 
 def test_a_live_payload_runs_under_plain_pickle(tmp_path):
@@ -114,16 +103,6 @@ def test_malicious_sharded_checkpoints_are_refused_and_nothing_runs(tmp_path):
 
 
 # ---- temporary files ---------------------------------------------------------------------------
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
-def _temp_name(target: str, pid: int, host: str | None = None, kind: str = "tmp") -> str:
-    return f".{target}.{kind}-gt.{pid}@{host or files._host()}.abc123"
-
-
 def test_links_at_the_target_or_a_temporary_name_are_never_written_through(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -138,7 +117,7 @@ def test_links_at_the_target_or_a_temporary_name_are_never_written_through(tmp_p
     for pid in range(os.getpid() - 5, os.getpid() + 50):
         (ckpt_dir / f".ckpt.pt.tmp-{pid}").symlink_to(victim)
     # a link named like an abandoned temporary of ours, pointing at a directory
-    stale_link = ckpt_dir / _temp_name("ckpt.pt", _dead_pid())
+    stale_link = ckpt_dir / temp_name("ckpt.pt", dead_pid())
     stale_link.symlink_to(victim_dir)
 
     files.clean_stale(ckpt_dir)
@@ -172,17 +151,17 @@ def test_temporaries_are_created_exclusively(tmp_path, monkeypatch):
 
 
 def test_stale_temporaries_are_removed_by_the_next_save(tmp_path):
-    dead, alive = _dead_pid(), os.getppid()
-    partial_file = tmp_path / _temp_name("ckpt.pt", dead)
+    dead, alive = dead_pid(), os.getppid()
+    partial_file = tmp_path / temp_name("ckpt.pt", dead)
     partial_file.write_bytes(b"partial")
-    partial_dir = tmp_path / _temp_name("epoch_3", dead)
+    partial_dir = tmp_path / temp_name("epoch_3", dead)
     partial_dir.mkdir()
     (partial_dir / "__0_0.distcp").write_bytes(b"partial")
-    live = tmp_path / _temp_name("other.pt", alive)  # a save in flight in another process
+    live = tmp_path / temp_name("other.pt", alive)  # a save in flight in another process
     live.write_bytes(b"in flight")
-    foreign_new = tmp_path / _temp_name("x.pt", 1, host="otherhost")
+    foreign_new = tmp_path / temp_name("x.pt", 1, host="otherhost")
     foreign_new.write_bytes(b"?")
-    foreign_old = tmp_path / _temp_name("y.pt", 1, host="otherhost")
+    foreign_old = tmp_path / temp_name("y.pt", 1, host="otherhost")
     foreign_old.write_bytes(b"?")
     old = time.time() - 2 * files.STALE_S
     os.utime(foreign_old, (old, old))
@@ -203,15 +182,15 @@ def _complete_dir(path: Path, tag: str) -> Path:
 
 
 def test_a_replacement_cut_between_its_renames_is_finished_by_the_next_save(tmp_path):
-    dead = _dead_pid()
+    dead = dead_pid()
     # a finished save whose rename never happened, the target gone (put aside and lost)
-    _complete_dir(tmp_path / _temp_name("a", dead), "new a")
+    _complete_dir(tmp_path / temp_name("a", dead), "new a")
     # the fallback's copy put aside, the new one never arrived
-    aside = tmp_path / _temp_name("b", dead, kind="old")
+    aside = tmp_path / temp_name("b", dead, kind="old")
     aside.mkdir()
     _complete_dir(aside / "ckpt", "old b")
     # an unfinished temporary (no marker): only deleted
-    (tmp_path / _temp_name("c", dead)).mkdir()
+    (tmp_path / temp_name("c", dead)).mkdir()
     files.clean_stale(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
     assert (tmp_path / "a" / "tag").read_text() == "new a"
@@ -223,7 +202,7 @@ def test_replacing_a_directory_leaves_only_the_new_one(tmp_path, monkeypatch, ex
     if not exchange:
         monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     _complete_dir(tmp_path / "ckpt", "old")
-    new = _complete_dir(tmp_path / _temp_name("ckpt", os.getpid()), "new")
+    new = _complete_dir(tmp_path / temp_name("ckpt", os.getpid()), "new")
     files.replace(new, tmp_path / "ckpt")
     assert os.listdir(tmp_path) == ["ckpt"]
     assert (tmp_path / "ckpt" / "tag").read_text() == "new"

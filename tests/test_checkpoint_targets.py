@@ -9,28 +9,20 @@ stale temporaries never follows a link, however it is named.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+from helpers.checkpoint_forge import dead_pid, model_and_opt, temp_name
 from helpers.harness import run_distributed
 
 import gridtrain as gt
-from gridtrain.engine.checkpoint import files
 
 TIMEOUT = 300
 
 
-def _model_and_opt():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
 def _save(ctx, path, sharded, epoch=1):
     """Save; returns None or the error's type name and message (every rank must agree)."""
-    model, opt = _model_and_opt()
+    model, opt = model_and_opt()
     try:
         gt.save_checkpoint(path, epoch, model, opt, sharded=sharded)
     except Exception as err:  # noqa: BLE001 - the test inspects it
@@ -39,7 +31,7 @@ def _save(ctx, path, sharded, epoch=1):
 
 
 def _epoch(ctx, path):
-    model, opt = _model_and_opt()
+    model, opt = model_and_opt()
     return gt.load_checkpoint(path, model, opt)
 
 
@@ -112,12 +104,6 @@ def test_an_empty_directory_is_replaced(tmp_path):
     assert run_distributed(_epoch, 1, str(tmp_path / "ckpt"), timeout=TIMEOUT) == [1]
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
 def test_a_planted_old_copy_link_moves_nothing(tmp_path):
     """`.victim.old-gt.<dead pid>@host.x -> outside/`, where outside/ckpt is a complete
     checkpoint: the next save removes the link and never moves what it points at."""
@@ -126,9 +112,9 @@ def test_a_planted_old_copy_link_moves_nothing(tmp_path):
     before = _tree(outside)
     ckpts = tmp_path / "ckpts"
     ckpts.mkdir()
-    planted = ckpts / f".victim.old-gt.{_dead_pid()}@{files._host()}.abc123"
+    planted = ckpts / temp_name("victim", dead_pid(), kind="old")
     planted.symlink_to(outside)
-    tmp_planted = ckpts / f".other.tmp-gt.{_dead_pid()}@{files._host()}.abc123"
+    tmp_planted = ckpts / temp_name("other", dead_pid())
     tmp_planted.symlink_to(outside / "ckpt")
     assert run_distributed(_save, 1, str(ckpts / "mine.pt"), False, timeout=TIMEOUT)[0] is None
     assert _tree(outside) == before, "the outside checkpoint was moved or changed"

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
+    dense_lm_loss,
     engine_run,
     global_losses,
+    lm_loss,
     reference_run,
     seeded,
     token_batches,
@@ -30,10 +31,6 @@ LAYOUTS = {
 }
 
 
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -43,9 +40,7 @@ def _model():
 
 
 def _reference(batches):
-    return reference_run(
-        _model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    return reference_run(_model, batches, dense_lm_loss, _adamw)
 
 
 def _train(ctx, batches):

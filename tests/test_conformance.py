@@ -32,7 +32,7 @@ from helpers.harness import run_distributed
 from helpers.runs import (
     data_rows,
     engine_step,
-    global_loss,
+    global_losses,
     param_share,
     reference_run,
     state_share,
@@ -235,11 +235,6 @@ RTOL, ATOL = 1e-9, 1e-9
 CELLS = [(name, variant) for name in LAYOUTS for variant in VARIANTS]
 
 
-def _losses(per_rank: list[list[float | None]]) -> list[float]:
-    """The global loss of each step from every rank's list of losses."""
-    return [global_loss(list(step)) for step in zip(*per_rank, strict=True)]
-
-
 def test_one_process_matches_plain_pytorch(root):
     ref = reference(root)
     torch.testing.assert_close(ref["one_process"], ref["losses"], rtol=RTOL, atol=ATOL)
@@ -249,7 +244,9 @@ def test_one_process_matches_plain_pytorch(root):
 def test_losses(name, variant, root):
     ranks = _cell_results(name, variant, root)["ranks"]
     want = reference(root)["losses"][:SAVE_AT]
-    torch.testing.assert_close(_losses([r["losses"] for r in ranks]), want, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(
+        global_losses([r["losses"] for r in ranks]), want, rtol=RTOL, atol=ATOL
+    )
 
 
 @pytest.mark.parametrize(("name", "variant"), CELLS)
@@ -278,7 +275,7 @@ def test_checkpoints(name, variant, root):
     cell = _cell_results(name, variant, root)
     want = reference(root)["losses"][SAVE_AT:]
     for fmt in FORMATS:
-        resumed = _losses([r["resumed"][fmt] for r in cell["ranks"]])
+        resumed = global_losses([r["resumed"][fmt] for r in cell["ranks"]])
         msg = f"one process's {fmt} checkpoint resumed by {name}"
         torch.testing.assert_close(resumed, want, rtol=RTOL, atol=ATOL, msg=msg)
         msg = f"{name}'s {fmt} checkpoint resumed by one process"

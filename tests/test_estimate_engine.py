@@ -28,7 +28,6 @@ from gridtrain.estimate.communication import by_op
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.skeleton import Decoder
 from gridtrain.parallel import comm
-from gridtrain.parallel.sharding import unwrap
 
 GPT = ModelSpec("tiny-gpt", layers=2, hidden=64, heads=8, vocab=128, seq_len=16, positions=16)
 LLAMA = ModelSpec(
@@ -83,7 +82,7 @@ def _measure(ctx, spec: ModelSpec, batch: int):
     pipeline = ctx.world_size(gt.ParallelMode.PIPELINE) > 1
     engine.train()
     engine.zero_grad()
-    peak = _PeakSaved(unwrap(engine.model).parameters()) if pipeline else None
+    peak = _PeakSaved(engine.model.parameters()) if pipeline else None
     with comm.count_bytes() as counted:
         if pipeline:  # the schedule's peak of saved activations: micro-batches in flight
             with torch.autograd.graph.saved_tensors_hooks(peak.pack, peak.unpack):
@@ -98,7 +97,7 @@ def _measure(ctx, spec: ModelSpec, batch: int):
         held.pop("total")
         return held, dict(counted), None
     inner = getattr(engine.optimizer, "optim", engine.optimizer)
-    params = list({id(p): p for p in unwrap(engine.model).parameters()}.values())
+    params = list({id(p): p for p in engine.model.parameters()}.values())
     masters = [p for g in inner.param_groups for p in g["params"]]
     masters = [p for p in masters if all(p is not q for q in params)]
     states = list(inner.state.values())

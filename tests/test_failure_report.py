@@ -15,12 +15,11 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+import gridtrain as gt
 from gridtrain.cli import failures
 from gridtrain.failure_record import error_record
 
-
-class PlanError(ValueError):
-    pass
+PlanError = gt.PlanError
 
 
 def _raised(exc: BaseException):

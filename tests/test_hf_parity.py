@@ -185,11 +185,6 @@ def _grid_rms(name: str, layout: str) -> bool:
     return name != "gpt2" and any(m in layout for m in ("2d", "2.5d", "3d"))
 
 
-def data_size(world: int, config: dict) -> int:
-    par = config["parallel"]
-    return world // (par.get("pipeline", 1) * par.get("tensor", {}).get("size", 1))
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_hf_model_equals_one_process(name, layout):
@@ -208,7 +203,7 @@ def check_layout(name: str, layout: str, block: str | None = None, **model_kw) -
     results = run_distributed(
         train_engine, world, name, batches, exact, model_kw, config=config, timeout=600
     )
-    replica = world // data_size(world, config)
+    replica = world // gt.Config.from_dict(config).data_size(world)
     losses = torch.tensor(global_losses([r for r, _ in results]), dtype=torch.float64)
     tol = TOL
     err = (losses - torch.tensor(d_losses, dtype=torch.float64)).abs().max().item()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.runs import data_rows
 from safetensors import safe_open
 from test_hf_parity import adamw, hf_batches, lm_loss, tiny_config, tiny_model
 
@@ -35,7 +36,7 @@ def _train_and_save(ctx, name: str, directory: str, max_shard_size="5GB"):
     engine = _engine(ctx, tiny_model(name))
     pipeline = ctx.world_size(PM.PIPELINE) > 1
     for x, m, y in hf_batches(steps=2):
-        x, m, y = (t.chunk(ctx.world_size(PM.DATA))[ctx.local_rank(PM.DATA)] for t in (x, m, y))
+        x, m, y = data_rows((x, m, y), ctx)
         engine.zero_grad()
         if pipeline:
             batch = dict(input_ids=x, attention_mask=m, labels=y)

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
-from helpers.runs import engine_run, global_losses, reference_run, seeded, token_batches
+from helpers.runs import (
+    dense_lm_loss,
+    engine_run,
+    global_losses,
+    lm_loss,
+    reference_run,
+    seeded,
+    token_batches,
+)
 from torch import nn
 
 import gridtrain as gt
@@ -72,10 +79,6 @@ LAYOUTS = {
 OUT_PROJ = {"plain": "blocks.1.attn.out.weight", "gt.nn": "blocks.1.out.weight"}
 
 
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -93,7 +96,7 @@ def _train(ctx, batches, model_name):
 def test_initialize_needs_no_example_input(name):
     world, config, model_name, share = LAYOUTS[name]
     batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
-    dense_loss = lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
+    dense_loss = dense_lm_loss
     ref = reference_run(lambda: _model(model_name), batches, dense_loss, _adamw)
     results = run_distributed(_train, world, batches, model_name, config=config, timeout=300)
     # each data rank reports its rows' mean: their mean is the dense loss; float64: layouts

@@ -7,26 +7,17 @@ named the first bad step twice). The deferred check (CUDA's: read a step late) s
 
 from __future__ import annotations
 
-import logging
 import re
 
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.logs import gridtrain_warnings
 from torch import nn
 
 import gridtrain as gt
 
 BAD = (2, 3)
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _warnings(ctx, defer):
@@ -35,9 +26,7 @@ def _warnings(ctx, defer):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=defer)
     engine, *_ = gt.initialize(model, opt, nn.MSELoss())
     engine.nonfinite.defer = defer
-    collect = _Collect()
-    logging.getLogger("gridtrain").addHandler(collect)
-    try:
+    with gridtrain_warnings() as messages:
         g = torch.Generator().manual_seed(1)
         for step in range(6):
             engine.zero_grad()
@@ -47,9 +36,7 @@ def _warnings(ctx, defer):
             engine.backward(loss)
             engine.step()
         engine.settle()
-    finally:
-        logging.getLogger("gridtrain").removeHandler(collect)
-    return [m for m in collect.messages if "non-finite" in m], engine.global_step
+    return [m for m in messages if "non-finite" in m], engine.global_step
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["at-once", "deferred"])

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
-from helpers.runs import engine_run, global_losses, reference_run, seeded, token_batches
+from helpers.runs import (
+    data_rows,
+    dense_lm_loss,
+    engine_run,
+    global_losses,
+    lm_loss,
+    reference_run,
+    seeded,
+    token_batches,
+)
 from torch import nn
 
 import gridtrain as gt
@@ -41,24 +49,18 @@ def _model(scale: float = 1.0):
     return seeded(build, seed=0)
 
 
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _train(ctx, batches):
-    x0 = batches[0][0].chunk(ctx.world_size(gt.ParallelMode.DATA))[0]
+    x0 = data_rows(batches[0][0], ctx)  # this rank's rows: traced for shapes only
     return engine_run(ctx, _model, batches, lm_loss, _adamw, example_inputs=x0)
 
 
 def test_one_plus_weight_norm_under_2d_equals_one_process():
     batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
-    ref = reference_run(
-        _model, batches, lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()), _adamw
-    )
+    ref = reference_run(_model, batches, dense_lm_loss, _adamw)
     results = run_distributed(_train, 4, batches, config=CONFIG_2D, timeout=300)
     # float64: the grid norm only reorders sums (<= 1e-15 relative measured); treating
     # (1 + w) as w changes the step-0 loss by O(1e-2)

@@ -8,13 +8,14 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
+    dense_lm_loss,
     engine_run,
     global_losses,
+    lm_loss,
     reference_run,
     seeded,
     token_batches,
@@ -54,23 +55,19 @@ def _build():
     return seeded(lambda: TinyTransformer(vocab=32, hidden=16, heads=2, seq=8), 0)
 
 
-def _lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 def _engine_run(ctx):
-    return engine_run(ctx, _build, BATCHES, _lm_loss, _adamw, grad_steps=2)
+    return engine_run(ctx, _build, BATCHES, lm_loss, _adamw, grad_steps=2)
 
 
 @pytest.mark.parametrize(
     "config", [dict(zero=3), dict(zero=dict(stage=3, offload=True))], ids=["zero3", "gemini"]
 )
 def test_a_zero3_run_reads_back_the_dense_gradients(config):
-    dense_loss = lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
+    dense_loss = dense_lm_loss
     ref = reference_run(_build, BATCHES, dense_loss, _adamw, grad_steps=2)
     runs = run_distributed(_engine_run, 2, config=config, timeout=TIMEOUT)
     # float64: the data-parallel halves only reorder sums (measured <= 1e-16 on gradients)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
+    data_rows,
+    dense_lm_loss,
     engine_run,
     global_losses,
+    lm_loss,
     reference_run,
     seeded,
     token_batches,
@@ -54,11 +56,6 @@ LAYOUTS = {
 }
 
 
-def lm_loss(logits, labels):
-    """Next-token cross entropy through gt.nn.CrossEntropyLoss: any layout's logits."""
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
@@ -68,7 +65,7 @@ def _model(model_kw):
 
 
 def _train(ctx, batches, model_kw):
-    x0 = batches[0][0].chunk(ctx.world_size(gt.ParallelMode.DATA))[0]
+    x0 = data_rows(batches[0][0], ctx)  # this rank's rows: traced for shapes only
     build = lambda: _model(model_kw)  # noqa: E731
     return engine_run(ctx, build, batches, lm_loss, _adamw, example_inputs=x0)
 
@@ -80,12 +77,12 @@ def test_plain_transformer_equals_one_process(name):
     ref = reference_run(
         lambda: _model(model_kw),
         batches,
-        lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+        dense_lm_loss,
         _adamw,
     )
     d_final = ref.state
     results = run_distributed(_train, world, batches, model_kw, config=config, timeout=300)
-    replica = world // _data_size(world, config)
+    replica = world // gt.Config.from_dict(config).data_size(world)
     # a rank reports the mean over its data-parallel rank's rows: their mean is the dense loss;
     # float64 throughout: sharded matmuls and collectives only reorder sums, measured
     # <= 1e-15 relative on losses and gradients
@@ -110,11 +107,6 @@ def test_plain_transformer_equals_one_process(name):
         assert ("blocks.0.fc.weight" in held) == (stage == 0), (tag, sorted(held))
         if "tensor" in config["parallel"]:  # the printed plan names every layer it cut
             assert "blocks.1.fc2" in plan and ("rowwise" in plan or "auto" in plan), plan
-
-
-def _data_size(world: int, config: dict) -> int:
-    par = config["parallel"]
-    return world // (par.get("pipeline", 1) * par.get("tensor", {}).get("size", 1))
 
 
 def ctx_stage(rank: int, world: int, config: dict) -> int:

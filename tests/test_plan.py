@@ -12,7 +12,6 @@ from helpers.models import TinyTransformer
 from torch import nn
 
 import gridtrain as gt
-from gridtrain.parallel.tensor.plan import PlanError
 
 
 def test_gt_nn_layers_are_plain_modules_with_hints():
@@ -43,7 +42,7 @@ def _init(ctx, build, example=True, opt_groups=False):
     x = make_x() if example else None
     try:
         gt.initialize(model, opt, nn.MSELoss(), example_inputs=x)
-    except PlanError as err:
+    except gt.PlanError as err:
         untouched = {id(p) for p in model.parameters()} == params
         return str(err), untouched
     return None, None

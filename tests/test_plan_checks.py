@@ -12,13 +12,13 @@
 
 from __future__ import annotations
 
-import logging
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
+from helpers.logs import gridtrain_warnings
 from torch import nn
 
 import gridtrain as gt
@@ -109,28 +109,15 @@ class TinyCNN(nn.Module):
         return self.fc(F.relu(self.conv3(x)).mean((2, 3)))
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _cnn(ctx):
     torch.manual_seed(0)
     model = TinyCNN()
-    handler = _Lines()
-    logger = logging.getLogger("gridtrain")
-    logger.addHandler(handler)
-    try:
-        engine, *_ = gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    except gt.PlanError as err:
-        return str(err), []
-    finally:
-        logger.removeHandler(handler)
-    return str(engine.plan), [m for m in handler.lines if "shards" in m]
+    with gridtrain_warnings() as lines:
+        try:
+            engine, *_ = gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        except gt.PlanError as err:
+            return str(err), []
+    return str(engine.plan), [m for m in lines if "shards" in m]
 
 
 def test_a_cnn_under_1d_is_told_what_serves_it_better():

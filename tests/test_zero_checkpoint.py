@@ -9,17 +9,13 @@ import pytest
 import torch
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
-from helpers.runs import data_rows, engine_step, seeded, token_batches
+from helpers.runs import data_rows, engine_step, lm_loss, seeded, token_batches
 
 import gridtrain as gt
 
 BATCH, SEQ, VOCAB, HIDDEN = 8, 16, 64, 32
 TP2 = dict(tensor=dict(size=2, mode="1d"))
 FP16 = dict(mode="naive", initial_scale=2.0**10)
-
-
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _engine(ctx, batches, dtype):
