@@ -10,9 +10,12 @@ The Hugging Face families are held to the same share in ``test_hf_parity.check_l
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
+from helpers.runs import Ints, batches, engine_run, reference_run
 from torch import nn
 
 import gridtrain as gt
@@ -71,45 +74,32 @@ def loss_fn(logits, labels):
 
 
 def data():
-    g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randint(VOCAB, (BATCH, SEQ), generator=g), torch.randint(VOCAB, (BATCH, SEQ), generator=g))
-        for _ in range(STEPS)
-    ]  # fmt: skip
+    return batches(STEPS, Ints(VOCAB, (BATCH, SEQ)), Ints(VOCAB, (BATCH, SEQ)), seed=1)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def train_dense(kind: str):
-    model = build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for x, y in data():
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    ref = reference_run(lambda: build(kind), data(), loss_fn, _sgd, grad_steps=0)
+    return ref.losses, ref.state
 
 
 def _train_each(ctx):
     out = {}
     for kind in MODELS:
-        model = build(kind)
-        engine, *_ = gt.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
-        engine.train()
-        losses = []
-        for x, y in data():
-            engine.zero_grad()
-            _, _, loss = engine.execute_schedule(iter([(x, y)]), return_output_label=False)
-            engine.step()
-            losses.append(loss.item())
-        held = dict(engine.model.named_parameters())
+        run = engine_run(
+            ctx,
+            partial(build, kind),
+            data(),
+            loss_fn,
+            _sgd,
+            grad_steps=0,
+            probe=lambda e: {n for n, _ in e.model.named_parameters()},
+        )
         out[kind] = dict(
-            losses=losses,
-            held=sum(p.numel() for p in held.values()),
-            names=set(held),
-            plan=str(engine.plan),
-            full=gt.full_state_dict(engine.model),
+            losses=run.losses, held=run.held, names=run.probed, plan=run.plan, full=run.state
         )
     return out
 
