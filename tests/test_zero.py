@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TinyTransformer
 from helpers.runs import (
     data_rows,
+    dense_lm_loss,
     engine_step,
     global_losses,
+    lm_loss,
     reference_run,
     seeded,
     state_share,
@@ -26,10 +27,6 @@ STEPS, BATCH, SEQ, VOCAB, HIDDEN = 3, 8, 16, 64, 32
 LR, CLIP = 1e-2, 0.05
 
 
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
@@ -40,8 +37,7 @@ def _model(dtype=torch.float64, tie=False):
 
 def _dense(batches, clip=0.0, tie=False):
     """One process, plain PyTorch: the harness's reference run."""
-    dense_loss = lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten())  # noqa: E731
-    return reference_run(lambda: _model(tie=tie), batches, dense_loss, _adamw, clip=clip)
+    return reference_run(lambda: _model(tie=tie), batches, dense_lm_loss, _adamw, clip=clip)
 
 
 def _train(ctx, batches, dtype=torch.float64, inject_at=None):

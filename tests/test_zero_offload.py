@@ -10,38 +10,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
-from helpers.models import TinyTransformer
 from helpers.runs import (
     data_rows,
+    dense_lm_loss,
     engine_step,
     global_losses,
+    lm_loss,
     reference_run,
-    seeded,
     shares,
     token_batches,
 )
+from test_zero import BATCH, CLIP, SEQ, STEPS, VOCAB, _adamw, _model
 
 import gridtrain as gt
 
-STEPS, BATCH, SEQ, VOCAB, HIDDEN = 3, 8, 16, 64, 32
-LR, CLIP = 1e-2, 0.05
 GEMINI = dict(stage=3, offload=True)
 
 
-def lm_loss(logits, labels):
-    return gt.nn.CrossEntropyLoss()(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
-def _model(dtype=torch.float64, tie=False, layers=2):
-    build = lambda: TinyTransformer(vocab=VOCAB, hidden=HIDDEN, seq=SEQ, tie=tie, layers=layers)  # noqa: E731
-    return seeded(build, 0, dtype)
-
-
-def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-
-
 def _dense_loss(logits, labels):
+    """``dense_lm_loss`` in float64 whatever the model's dtype (the bf16 test's float32
+    reference included)."""
     return F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten())
 
 
@@ -177,7 +165,7 @@ def _dense_delayed(batches):
     for k, (x, y) in enumerate(batches, start=1):
         work.load_state_dict(history[-1] if k <= 2 else history[-2])
         work.zero_grad()
-        loss = F.cross_entropy(work(x).flatten(0, 1), y.flatten())
+        loss = dense_lm_loss(work(x), y)
         loss.backward()
         for p, q in zip(master.parameters(), work.parameters(), strict=True):
             p.grad = q.grad.clone()
