@@ -6,8 +6,12 @@ the per-rank results in rank order. A rank that raises fails the call with that
 rank's traceback; ranks left waiting in a collective are killed after a short
 grace instead of hanging, and so is a call that exceeds its timeout.
 
-Workers are spawned once (importing torch is most of the start-up) and reused
-by later calls; a failed or timed-out call discards the pool.
+Workers are spawned once (importing torch is most of the start-up) and reused by
+later calls. The pool starts as many workers as the machine has cores and grows only
+when a call needs more ranks, so a 2-core machine runs most tests on 2 processes; a
+call in which a rank raised keeps the pool when every rank reported (the failure
+is the test's point, nothing is left waiting), and only a call with a rank that
+never reported (stuck in a collective, timed out, crashed) discards it.
 
 A rank's result leaves it as owned copies: every tensor is cloned before the rank
 tears down, and a DTensor (an FSDP2 / ZeRO 3 shard) is refused with its place in the
@@ -28,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-MAX_WORKERS = 8
+MAX_WORKERS = 8  # the largest world a test may ask for
 GRACE_S = 5.0  # after one rank fails, how long the others get to report
 
 
@@ -90,21 +94,53 @@ def _worker(index: int, tasks: mp.Queue, results: mp.Queue) -> None:
             results.put((call_id, rank, True, out))
         except BaseException:  # noqa: BLE001 - every failure must reach the parent
             results.put((call_id, rank, False, traceback.format_exc()))
+        finally:
+            _leave_no_group()
+
+
+def _leave_no_group() -> None:
+    """After a call, no process group survives (a launch that failed half-way, a ``fn`` of
+    ``launch=False`` that raised), so the next call in this worker starts clean."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            import gridtrain as gt
+
+            gt.destroy()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def initial_size() -> int:
+    """Workers to start with: the machine's cores, at least 2 and at most ``MAX_WORKERS``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(MAX_WORKERS, cores or 2))
 
 
 class _Pool:
     def __init__(self, size: int):
-        ctx = mp.get_context("spawn")
+        self._mp = mp.get_context("spawn")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        self.results: mp.Queue = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(size)]
-        self.procs = [
-            ctx.Process(target=_worker, args=(i, self.tasks[i], self.results), daemon=True)
-            for i in range(size)
-        ]
-        for p in self.procs:
-            p.start()
+        self.results: mp.Queue = self._mp.Queue()
+        self.tasks: list[mp.Queue] = []
+        self.procs: list = []
         self.calls = 0
+        self.grow(size)
+
+    def grow(self, size: int) -> None:
+        """Start workers until there are ``size`` (all start together: their imports overlap)."""
+        started = []
+        while len(self.procs) < size:
+            i = len(self.procs)
+            self.tasks.append(self._mp.Queue())
+            proc = self._mp.Process(target=_worker, args=(i, self.tasks[i], self.results))
+            proc.daemon = True
+            self.procs.append(proc)
+            started.append(proc)
+        for p in started:
+            p.start()
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -127,12 +163,13 @@ class _Pool:
 _POOL: _Pool | None = None
 
 
-def _pool() -> _Pool:
+def _pool(world_size: int) -> _Pool:
     global _POOL
     if _POOL is None or not _POOL.alive():
         if _POOL is not None:
             _POOL.kill()
-        _POOL = _Pool(MAX_WORKERS)
+        _POOL = _Pool(max(initial_size(), world_size))
+    _POOL.grow(world_size)
     return _POOL
 
 
@@ -167,7 +204,7 @@ def run_distributed(
     """
     if not 1 <= world_size <= MAX_WORKERS:
         raise ValueError(f"world_size must be in [1, {MAX_WORKERS}], got {world_size}")
-    pool = _pool()
+    pool = _pool(world_size)
     pool.calls += 1
     call_id = pool.calls
     port = free_port()
@@ -192,8 +229,9 @@ def run_distributed(
         (outputs if ok else failures)[rank] = value
 
     if failures or len(outputs) < world_size:
-        _discard_pool()
         missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
+        if missing:  # a rank still inside the call (a collective, a hang): start afresh
+            _discard_pool()
         if failures:
             rank = min(failures)
             stuck = f"; ranks {missing} did not finish" if missing else ""
