@@ -3,6 +3,7 @@ memory figures, and our own GPT-2 step times on one H200.
 
     python benchmarks/estimate_vs_published.py              # print the three tables
     python benchmarks/estimate_vs_published.py --append     # and append them to RESULTS.md
+    python benchmarks/estimate_vs_published.py --search-speed   # how long --search takes
 
 No process, no GPU: every number on our side comes from ``gridtrain.estimate``.
 
@@ -43,7 +44,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gridtrain.estimate import Scenario, estimate, get_device, get_model  # noqa: E402
+from gridtrain.estimate import (  # noqa: E402
+    Scenario,
+    SearchOptions,
+    estimate,
+    get_device,
+    get_model,
+    search,
+)
 from gridtrain.estimate.models import megatron_gpt  # noqa: E402
 from gridtrain.estimate.scenario import EstimateError  # noqa: E402
 
@@ -183,10 +191,32 @@ numbers is made, in the script's docstring.
 """
 
 
+SEARCHES = [("gpt3-13b", 512, 1024), ("gpt3-175b", 1024, 1024), ("gpt3-175b", 4096, 2048)]
+
+
+def search_speed() -> str:
+    """Wall and CPU seconds of ``--search`` (bf16, full recompute, H100) at growing world
+    sizes, and how many layouts it weighed, estimated and pruned: speed is measured here,
+    never asserted in a test (tests count the estimated layouts instead)."""
+    out = ["| model | GPUs | global batch | layouts | estimated | pruned | fit | wall s | CPU s |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, world, batch in SEARCHES:
+        spec, device = get_model(name), get_device("h100-80g")
+        base = Scenario(world=world, amp="bf16", recompute="full")
+        r = search(spec, device, world, batch, base, SearchOptions())
+        out.append(f"| {name} | {world} | {batch} | {r.considered} | {r.estimated} | {r.pruned} "
+                   f"| {len(r.ranked)} | {r.seconds:.2f} | {r.cpu_seconds:.2f} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--append", action="store_true", help="append the tables to RESULTS.md")
+    parser.add_argument("--search-speed", action="store_true", help="time --search instead")
     args = parser.parse_args(argv)
+    if args.search_speed:
+        print(search_speed())
+        return
     text = tables()
     print(text)
     if args.append:

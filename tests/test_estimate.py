@@ -25,7 +25,8 @@ from gridtrain.estimate import (
 from gridtrain.estimate import cli as estimate_cli
 from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.memory import block_items, in_flight
-from gridtrain.estimate.models import ModelSpec, from_hf_config
+from gridtrain.estimate.model_files import from_hf_config
+from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.shards import tensor_config
 from gridtrain.parallel.layout import Layout
 from gridtrain.parallel.mode import ParallelMode as PM
@@ -119,6 +120,53 @@ def test_hugging_face_config_json(tmp_path):
         from_hf_config(tmp_path / "bad.json")
 
 
+LLAMA_JSON = {
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+    "max_position_embeddings": 32, "rms_norm_eps": 1e-5,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer from 1 to"),
+        ({"num_hidden_layers": -2}, "num_hidden_layers must be an integer from 1 to"),
+        ({"hidden_size": "64"}, "hidden_size must be an integer from 1 to 2147483647, got '64'"),
+        ({"hidden_size": 64.0}, "hidden_size must be an integer"),
+        ({"num_key_value_heads": True}, "num_key_value_heads must be an integer"),
+        ({"hidden_size": 10**12}, "hidden_size must be an integer from 1 to 2147483647"),
+        (
+            {"vocab_size": 2**31 - 1, "hidden_size": 2**31 - 4, "num_attention_heads": 4},
+            "vocab_size x hidden_size makes a weight of",
+        ),  # fmt: skip
+        ({"num_attention_heads": 7}, "hidden_size 64 is not divisible by num_attention_heads 7"),
+        ({"num_key_value_heads": 3}, "num_attention_heads 4 are not divisible by num_key_value_"),
+        ({"intermediate_size": 0}, "intermediate_size must be an integer from 1"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer from 1"),
+        ({"num_local_experts": 4, "num_experts_per_tok": 8}, "num_experts_per_tok 8 exceeds"),
+    ],
+)
+def test_bad_config_json_names_the_key(tmp_path, capsys, change, message):
+    """A config.json that describes no model: exit 2 and one line naming the key, no
+    traceback (the file's values are checked before anything is built from them)."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_JSON, **change}))
+    code, out, err = _run(["--model", str(tmp_path), "--world-size", "1"], capsys)
+    assert code == 2 and message in err, err
+    assert err.startswith("gridtrain estimate: error: ") and "Traceback" not in err + out
+
+
+def test_unreadable_config_json_and_bad_seq_len(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    code, _, err = _run(["--model", str(tmp_path), "--world-size", "1"], capsys)
+    assert code == 2 and "holds one JSON object, got list" in err
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = _run(["--model", str(tmp_path), "--world-size", "1"], capsys)
+    assert code == 2 and "cannot read" in err
+    code, _, err = _run(["--model", "gpt2-124m", "--world-size", "1", "--seq-len", "0"], capsys)
+    assert code == 2 and "--seq-len must be an integer from 1" in err
+
+
 def test_layout_of_thousands_of_ranks():
     """One rank of a 4096-rank world, from topology's lists, no process: what layers ask."""
     cfg = Config.from_dict({"parallel": {"pipeline": 8, "tensor": {"size": 64, "mode": "3d"}}})
@@ -198,21 +246,21 @@ def test_device_overrides(capsys):
 
 
 # ---- the search ---------------------------------------------------------------------------
-def test_search_4096_gpus_under_5_seconds():
-    """Every layout of 4096 GPUs for GPT-3 175B (bf16, full recompute), ranked. Timed in this
-    process's CPU seconds: the test machine's two cores are shared with other suites, so
-    wall time measures them too (alone it takes about 2 s)."""
-    spec, device = get_model("gpt3-175b"), get_device("h100-80g")
-    base = Scenario(world=4096, amp="bf16", recompute="full")
-    result = search(spec, device, 4096, 2048, base, SearchOptions())
-    assert result.cpu_seconds < 5.0, (result.cpu_seconds, result.seconds)
-    assert result.considered > 200 and len(result.ranked) >= 10
+def test_search_is_bounded_and_weighs_every_mode():
+    """Every layout of 512 GPUs for GPT-3 13B (bf16, full recompute), ranked. The search's
+    cost is bounded by what it counts, not timed (speed is a benchmark's:
+    ``benchmarks/estimate_vs_published.py --search-speed``): best first stops after a few
+    full estimates, far fewer than the layouts that fit."""
+    spec, device = get_model("gpt3-13b"), get_device("h100-80g")
+    base = Scenario(world=512, amp="bf16", recompute="full")
+    result = search(spec, device, 512, 1024, base, SearchOptions())
+    assert result.considered > 100 and len(result.ranked) >= 10
     assert {None, "1d", "2d", "2.5d", "3d", "sequence"} <= result.modes  # all weighed
     speeds = [e.tokens_per_s for e in result.ranked]
     assert speeds == sorted(speeds, reverse=True)
-    assert all(e.fits and e.scenario.global_batch == 2048 for e in result.ranked)
-    # best first stopped early: nothing pruned could beat the tenth kept
-    assert result.pruned > 0 and result.estimated < 500
+    assert all(e.fits and e.scenario.global_batch == 1024 for e in result.ranked)
+    # best first stopped early: what it estimated is a small share of what fits
+    assert result.pruned > 3 * result.estimated, (result.pruned, result.estimated)
 
 
 def test_search_command(capsys):

@@ -10,8 +10,9 @@ collectives and time follow each mode's forward code (``memory.py``,
 from gridtrain.estimate.devices import PRESETS as DEVICES
 from gridtrain.estimate.devices import DeviceSpec, get_device
 from gridtrain.estimate.estimator import Estimate, estimate
+from gridtrain.estimate.model_files import from_hf_config, get_model
 from gridtrain.estimate.models import PRESETS as MODELS
-from gridtrain.estimate.models import ModelSpec, from_hf_config, get_model
+from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import EstimateError, Scenario
 from gridtrain.estimate.search import SearchOptions, search
 from gridtrain.estimate.shards import tensor_shards

@@ -20,7 +20,8 @@ import sys
 from gridtrain.config import Config, ConfigError
 from gridtrain.estimate.devices import DeviceError, GiB, get_device
 from gridtrain.estimate.estimator import estimate
-from gridtrain.estimate.models import PRESETS, ModelError, get_model
+from gridtrain.estimate.model_files import get_model
+from gridtrain.estimate.models import PRESETS, ModelError
 from gridtrain.estimate.report import does_not_fit, dumps, format_estimate
 from gridtrain.estimate.scenario import EstimateError, Scenario, amp_of
 from gridtrain.estimate.search import SearchOptions, format_search, search

@@ -1,20 +1,21 @@
 """What is estimated: a decoder-only transformer's shape, from a preset or a Hugging Face config.
 
 ``ModelSpec`` holds the numbers every formula needs (layers, hidden size, heads,
-key/value heads, MLP width, vocabulary, sequence length, norm and MLP kind, ties).
-Presets cover GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1)
-and Llama / Llama 2 (Touvron et al. 2023); ``from_hf_config`` reads a Hugging
-Face ``config.json`` (GPT-2, Llama, Mistral, Qwen2, Gemma, OPT, GPT-NeoX, Falcon
-and anything with the usual key names). Vocabularies are padded the way
-Megatron-LM and nanoGPT pad them (GPT-2's 50257 -> 50304), so that they split
-over tensor groups; a Hugging Face vocabulary is kept as given.
+key/value heads, MLP width, vocabulary, sequence length, norm and MLP kind, ties,
+experts). Presets cover GPT-2 (Radford et al. 2019), GPT-3 (Brown et al. 2020, Table 2.1),
+Llama / Llama 2 (Touvron et al. 2023) and Llama 3 (Dubey et al. 2024, Table 3);
+``model_files.from_hf_config`` reads a Hugging Face ``config.json``. Vocabularies are
+padded the way Megatron-LM and nanoGPT pad them (GPT-2's 50257 -> 50304), so that they
+split over tensor groups; a Hugging Face vocabulary is kept as given.
+
+A spec is checked when it is made (``check_fields``): every size a positive integer small
+enough for torch to index, every weight's element count within int64, heads dividing the
+hidden size; the error names the field (the ``config.json`` key for a file).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 
@@ -22,9 +23,63 @@ class ModelError(ValueError):
     """A model name or config.json that cannot be estimated (names the file and the key)."""
 
 
+MAX_DIM = 2**31 - 1  # torch's split/chunk counts and c10d sizes are 32-bit
+MAX_NUMEL = 2**61  # elements of one weight: its bytes (x 4) must fit int64
+INT_FIELDS = ("layers", "hidden", "heads", "vocab", "seq_len", "kv_heads", "ffn", "positions",
+              "experts", "top_k")  # fmt: skip
+MAY_BE_ZERO = ("positions", "experts")
+
+
+def check_fields(values: dict[str, Any], where: str, names: dict[str, str] | None = None) -> None:
+    """Raise ``ModelError`` naming the field (``names``: field -> the key it came from) when
+    ``values`` cannot describe a model: a size that is not a positive integer or too large,
+    heads that do not divide the width, a weight whose element count overflows int64."""
+    names = names or {}
+
+    def key(field: str) -> str:
+        return names.get(field, field)
+
+    for field in INT_FIELDS:
+        v = values.get(field)
+        if v is None and field in ("kv_heads", "ffn"):
+            continue
+        low = 0 if field in MAY_BE_ZERO else 1
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_DIM:
+            raise ModelError(
+                f"{where}: {key(field)} must be an integer from {low} to {MAX_DIM}, got {v!r}"
+            )
+    if values["hidden"] % values["heads"]:
+        raise ModelError(
+            f"{where}: {key('hidden')} {values['hidden']} is not divisible by "
+            f"{key('heads')} {values['heads']}"
+        )
+    kv = values.get("kv_heads") or values["heads"]
+    if values["heads"] % kv:
+        raise ModelError(
+            f"{where}: {key('heads')} {values['heads']} are not divisible by {key('kv_heads')} {kv}"
+        )
+    experts, top_k = values.get("experts", 0), values.get("top_k", 1)
+    if experts and top_k > experts:
+        raise ModelError(
+            f"{where}: {key('top_k')} {top_k} exceeds {key('experts')} {experts} (experts per token)"
+        )
+    dropout = values.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ModelError(f"{where}: {key('dropout')} must be in [0, 1), got {dropout!r}")
+    dims = {**values, "ffn": values.get("ffn") or 4 * values["hidden"]}
+    for a, b, times in (("vocab", "hidden", 1), ("hidden", "ffn", 3 * max(1, experts)),
+                        ("positions", "hidden", 1)):  # fmt: skip
+        n = (dims.get(a) or 0) * dims[b] * times
+        if n > MAX_NUMEL:
+            raise ModelError(
+                f"{where}: {key(a)} x {key(b)} makes a weight of {n:.3g} elements (more than "
+                f"2**61, whose bytes int64 cannot count): a size is wrong"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer (pre-norm blocks: attention then MLP)."""
+    """A decoder-only transformer (pre-norm blocks: attention then an MLP or a MoE layer)."""
 
     name: str
     layers: int
@@ -40,19 +95,18 @@ class ModelSpec:
     tied: bool = True  # LM head shares the token embedding
     positions: int = 0  # rows of a learned position embedding (GPT-2); 0 = rotary
     dropout: float = 0.0
+    experts: int = 0  # > 0: every block's MLP is a MoE layer of this many experts
+    top_k: int = 1  # experts each token is routed to (1 or 2: gridtrain's routers)
 
     def __post_init__(self):
-        if self.hidden % self.heads:
-            raise ModelError(
-                f"{self.name}: hidden {self.hidden} is not divisible by heads {self.heads}"
-            )
-        if self.heads % self.num_kv_heads:
-            raise ModelError(
-                f"{self.name}: heads {self.heads} are not divisible by key/value heads "
-                f"{self.num_kv_heads}"
-            )
+        check_fields(dataclasses.asdict(self), self.name)
         if self.norm not in ("layer", "rms"):
             raise ModelError(f"{self.name}: norm must be 'layer' or 'rms', got {self.norm!r}")
+        if self.experts and self.top_k not in (1, 2):
+            raise ModelError(
+                f"{self.name}: top_k must be 1 or 2 (gridtrain's Top1Router, Top2Router), "
+                f"got {self.top_k}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -67,25 +121,39 @@ class ModelSpec:
         return self.ffn or 4 * self.hidden
 
     @property
+    def expert_ffn(self) -> int:
+        """Width of one expert: gridtrain's ``Experts`` are two-matrix FFNs, so a gated
+        expert (three matrices of ``ffn``) is held as one of ``1.5 ffn`` (as many weights)."""
+        return self.ffn_dim * 3 // 2 if self.gated else self.ffn_dim
+
+    @property
     def qkv_out(self) -> int:
         """Width of the fused q/k/v projection: q for every head, k and v per kv head."""
         return (self.heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def num_params(self) -> int:
-        """Dense parameter count (a tied head counted once)."""
+    def mlp_params(self, active: bool = False) -> int:
+        """Parameters of one block's MLP (``active``: those one token uses, for FLOPs)."""
+        h, b = self.hidden, int(self.bias)
+        if not self.experts:
+            fc_out = self.ffn_dim * (2 if self.gated else 1)
+            return h * fc_out + b * fc_out + self.ffn_dim * h + b * h
+        e = self.expert_ffn
+        one = 2 * h * e + e + h  # w1, b1, w2, b2
+        return h * self.experts + one * (self.top_k if active else self.experts)
+
+    def num_params(self, active: bool = False) -> int:
+        """Dense parameter count (a tied head counted once; ``active``: experts a token uses)."""
         h, b = self.hidden, int(self.bias)
         norm = h * (2 if self.norm == "layer" else 1)
-        fc_out = self.ffn_dim * (2 if self.gated else 1)
         block = h * self.qkv_out + b * self.qkv_out + h * h + b * h
-        block += h * fc_out + b * fc_out + self.ffn_dim * h + b * h + 2 * norm
+        block += self.mlp_params(active) + 2 * norm
         head = 0 if self.tied else self.vocab * h
         return self.vocab * h + self.positions * h + self.layers * block + norm + head
 
     def matmul_flops_per_token(self) -> float:
         """Forward FLOPs of the Linears per token (2 per multiply-add), LM head included."""
         h = self.hidden
-        fc_out = self.ffn_dim * (2 if self.gated else 1)
-        per_layer = 2 * h * (self.qkv_out + h + fc_out) + 2 * self.ffn_dim * h
+        per_layer = 2 * h * (self.qkv_out + h) + 2 * self.mlp_params(active=True)
         return self.layers * per_layer + 2 * h * self.vocab
 
     def attention_flops_per_token(self, seq_len: int, causal: bool = True) -> float:
@@ -95,13 +163,17 @@ class ModelSpec:
 
     def model_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, PaLM's convention (Chowdhery et al. 2022, App. B):
-        6 N (N without position tables) plus 12 L H S for attention, no recompute."""
-        n = self.num_params() - self.positions * self.hidden
+        6 N (N the active parameters, without position tables) plus 12 L H S for
+        attention, no recompute."""
+        n = self.num_params(active=True) - self.positions * self.hidden
         return 6 * n + 12 * self.layers * self.hidden * seq_len
 
     def describe(self) -> str:
         kv = f", {self.num_kv_heads} kv heads" if self.num_kv_heads != self.heads else ""
         mlp = f"{'SwiGLU' if self.gated else 'GELU'} {self.ffn_dim}"
+        if self.experts:
+            mlp = f"MoE {self.experts} experts (top-{self.top_k}) of {self.expert_ffn}"
+            mlp += f", {self.num_params(active=True) / 1e9:.2f}B active"
         return (
             f"{self.name}: {self.num_params() / 1e9:.2f}B parameters, {self.layers} layers, "
             f"hidden {self.hidden}, {self.heads} heads{kv}, {mlp}, vocab {self.vocab}, "
@@ -117,9 +189,9 @@ def _gpt3(name, layers, hidden, heads):
     return ModelSpec(name, layers, hidden, heads, 51200, 2048, positions=2048)
 
 
-def _llama(name, layers, hidden, heads, ffn, kv=None, seq=2048):
+def _llama(name, layers, hidden, heads, ffn, kv=None, seq=2048, vocab=32000):
     return ModelSpec(
-        name, layers, hidden, heads, 32000, seq, kv_heads=kv, ffn=ffn, gated=True,
+        name, layers, hidden, heads, vocab, seq, kv_heads=kv, ffn=ffn, gated=True,
         norm="rms", bias=False, tied=False,
     )  # fmt: skip
 
@@ -142,6 +214,8 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("llama-7b", 32, 4096, 32, 11008),
         _llama("llama-13b", 40, 5120, 40, 13824),
         _llama("llama-70b", 80, 8192, 64, 28672, kv=8, seq=4096),
+        _llama("llama3-8b", 32, 4096, 32, 14336, kv=8, seq=8192, vocab=128256),
+        _llama("llama3-70b", 80, 8192, 64, 28672, kv=8, seq=8192, vocab=128256),
     )
 }
 
@@ -150,75 +224,4 @@ def megatron_gpt(layers: int, hidden: int, heads: int, seq_len: int = 2048) -> M
     """The GPT of Narayanan et al. 2021 (vocabulary 51200, learned positions, GELU 4h)."""
     return ModelSpec(
         f"gpt-{layers}x{hidden}", layers, hidden, heads, 51200, seq_len, positions=seq_len
-    )
-
-
-def get_model(name_or_path: str, seq_len: int | None = None) -> ModelSpec:
-    """A preset by name, or a Hugging Face ``config.json`` (or a directory holding one)."""
-    spec = PRESETS.get(name_or_path.lower())
-    if spec is None:
-        path = Path(name_or_path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ModelError(
-                f"unknown model {name_or_path!r}: give a preset ({', '.join(PRESETS)}) or the "
-                "path of a Hugging Face config.json"
-            )
-        spec = from_hf_config(path)
-    if seq_len is not None:
-        spec = dataclasses.replace(spec, seq_len=seq_len)
-    return spec
-
-
-def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
-def from_hf_config(path: str | Path) -> ModelSpec:
-    """A ``ModelSpec`` from a Hugging Face ``config.json`` of a decoder-only model."""
-    path = Path(path)
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ModelError(f"cannot read {path}: {err}") from None
-    if "text_config" in cfg and "hidden_size" not in cfg:  # multimodal wrappers
-        cfg = {**cfg, **cfg["text_config"]}
-    need = {
-        "hidden": ("hidden_size", "n_embd", "d_model"),
-        "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-        "heads": ("num_attention_heads", "n_head"),
-        "vocab": ("vocab_size",),
-    }
-    found = {}
-    for field, keys in need.items():
-        value = _first(cfg, *keys)
-        if not isinstance(value, int):
-            raise ModelError(f"{path}: no {field} (looked for {', '.join(keys)})")
-        found[field] = value
-    kind = str(cfg.get("model_type", "")).lower()
-    act = str(_first(cfg, "hidden_act", "activation_function", default="gelu")).lower()
-    gated = act in ("silu", "swiglu", "swish") or kind in ("llama", "mistral", "qwen2", "gemma")
-    learned = kind in ("gpt2", "opt", "gpt_bigcode")
-    seq = _first(cfg, "max_position_embeddings", "n_positions", "n_ctx", "seq_length", default=2048)
-    rms = "rms_norm_eps" in cfg or kind in ("llama", "mistral", "qwen2", "gemma", "t5")
-    bias = bool(_first(cfg, "attention_bias", "bias", default=not rms))
-    return ModelSpec(
-        name=str(_first(cfg, "_name_or_path", default=path.parent.name or path.name)),
-        layers=found["layers"],
-        hidden=found["hidden"],
-        heads=found["heads"],
-        vocab=found["vocab"],
-        seq_len=int(seq),
-        kv_heads=_first(cfg, "num_key_value_heads", "num_kv_heads"),
-        ffn=_first(cfg, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"),
-        gated=gated,
-        norm="rms" if rms else "layer",
-        bias=bias,
-        tied=bool(cfg.get("tie_word_embeddings", kind in ("gpt2", "opt"))),
-        positions=int(seq) if learned else 0,
-        dropout=0.0,
     )
