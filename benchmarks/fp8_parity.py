@@ -1,7 +1,8 @@
 """fp8 against bf16: the same GPT trained for a few hundred steps each way, loss curves side by side.
 
     python benchmarks/fp8_parity.py                  # H200: GPT-2 124M, seq 1024, 300 steps
-    python benchmarks/fp8_parity.py --device cpu     # tiny preset, short run (CI size)
+    python benchmarks/fp8_parity.py --device cpu     # tiny preset, short run
+    python benchmarks/fp8_parity.py --device cpu --eager --steps 6  # CI form: no compile
 
 Both runs go through the engine with the same seed, weights and batches (byte-level
 text from ``demos/gpt``'s embedded corpus, so the loss has somewhere to go): one in
@@ -36,6 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--window", type=int, default=None, help="steps per table row (steps/6)")
     p.add_argument("--plot", default=None, help="write the loss curves to this PNG")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="no torch.compile in either run (the CI form: inductor's first compile on a CPU "
+        "costs a minute; the measured runs compile)",
+    )
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
     a.device = "cuda" if cuda else "cpu"
@@ -62,7 +69,8 @@ def batches(a) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def run(name: str, extra: dict, a, cfg, data) -> tuple[list[float], float]:
     """Per-step losses and tokens/s (after the first 5 steps) of one engine run."""
-    args = gb.parse_args(["--device", a.device, "--compile", "--seq-len", str(a.seq_len)])
+    flags = [] if a.eager else ["--compile"]
+    args = gb.parse_args(["--device", a.device, *flags, "--seq-len", str(a.seq_len)])
     torch.manual_seed(0)
     loop = gb.EngineLoop(cfg, args, a.device, extra=extra)
     for group in loop.engine.optimizer.param_groups:
@@ -93,7 +101,8 @@ def main(argv=None) -> dict:
     gb.gt.launch(dict(fp16=dict(mode="bf16")), 0, 1, "127.0.0.1", gb.free_port(), backend=backend)
     cfg = gpt_model.preset(a.preset, block_size=max(a.seq_len, 64))
     data = batches(a)
-    extras = {"bf16": dict(compile=True), "bf16 + fp8": dict(compile=True, fp8=True)}
+    compiled = {} if a.eager else dict(compile=True)
+    extras = {"bf16": dict(compiled), "bf16 + fp8": dict(compiled, fp8=True)}
     if a.device == "cpu":  # the tiny preset's Linears are narrower than fp8's default 256
         extras["bf16 + fp8"]["fp8"] = dict(min_features=16)
     curves, speed = {}, {}

@@ -1,21 +1,19 @@
 """Every benchmark in benchmarks/ in its CI-size CPU form (gloo): it exits 0 and prints its
-table, with the rows that show the comparison ran. The GPU runs use the same code at size."""
+table, with the rows that show the comparison ran. The GPU runs use the same code at size.
+
+Each runs as its own process, forked from a server that imported torch once
+(``helpers.forked``), as ``python benchmarks/x.py ...`` / ``gridtrain run ...`` would run it.
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import forked
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _gridtrain() -> list[str]:
-    script = Path(sys.executable).parent / "gridtrain"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "gridtrain.cli"]
 
 
 def _rows(out: str, *prefix: str) -> list[list[str]]:
@@ -153,80 +151,79 @@ def check_fp8(out):
     assert "fp8/bf16" in out
 
 
-PY = [sys.executable]
 CASES = {
     "fp8_parity": (
-        [*PY, "benchmarks/fp8_parity.py", "--device", "cpu", "--steps", "6", "--seq-len", "32"]
+        ["benchmarks/fp8_parity.py", "--device", "cpu", "--steps", "6", "--seq-len", "32"]
+        + ["--eager"]
         + ["--window", "2"],
         check_fp8,
     ),
     "gpt_throughput": (
-        [*PY, "benchmarks/gpt_throughput.py", "--device", "cpu", "--tp", "2"]
+        ["benchmarks/gpt_throughput.py", "--device", "cpu", "--tp", "2"]
         + ["--steps", "2", "--warmup", "1", "--rounds", "2"],
         check_gpt,
     ),
     "hf_throughput": (
-        [*PY, "benchmarks/hf_throughput.py", "--device", "cpu", "--steps", "2"],
+        ["benchmarks/hf_throughput.py", "--device", "cpu", "--steps", "2"],
         check_hf,
     ),
     "moe_throughput": (
-        [*PY, "benchmarks/moe_throughput.py", "--device", "cpu", "--steps", "2", "--rounds", "1"]
+        ["benchmarks/moe_throughput.py", "--device", "cpu", "--steps", "2", "--rounds", "1"]
         + ["--hidden", "64", "--depth", "2"],
         check_moe,
     ),
     "zero_memory": (
-        [*PY, "benchmarks/zero_memory.py", "--quick", "--ranks", "2"],
+        ["benchmarks/zero_memory.py", "--quick", "--ranks", "2"],
         check_zero_memory,
     ),
     "zero_memory_throughput": (
-        [*PY, "benchmarks/zero_memory.py", "throughput", "--device", "cpu"],
+        ["benchmarks/zero_memory.py", "throughput", "--device", "cpu"],
         check_zero_throughput,
     ),
-    "offload_quick": ([*PY, "benchmarks/offload.py", "--quick"], check_offload),
+    "offload_quick": (["benchmarks/offload.py", "--quick"], check_offload),
     "zero_memory_largest": (
-        [*PY, "benchmarks/zero_memory.py", "largest", "--device", "cpu", "--sizes", "tiny"],
+        ["benchmarks/zero_memory.py", "largest", "--device", "cpu", "--sizes", "tiny"],
         check_zero_largest,
     ),
     "resnet_throughput": (
-        [*PY, "benchmarks/resnet_throughput.py", "--batch", "2", "--steps", "1"]
-        + ["--repeats", "1"],
+        ["benchmarks/resnet_throughput.py", "--batch", "2", "--steps", "1"] + ["--repeats", "1"],
         check_resnet,
     ),
     "resnet_throughput_ddp": (
-        [*_gridtrain(), "run", "--nproc_per_node", "2"]
+        ["gridtrain", "run", "--nproc_per_node", "2"]
         + ["--config", "demos/resnet/configs/fp32.py", "benchmarks/resnet_throughput.py"]
         + ["--precisions", "fp32", "--batch", "2", "--steps", "1", "--repeats", "1"],
         check_resnet_ddp,
     ),
     "pipeline_bubble": (
-        [*PY, "benchmarks/pipeline_bubble.py", "--cpu", "--stages", "2", "--microbatches", "4"]
+        ["benchmarks/pipeline_bubble.py", "--cpu", "--stages", "2", "--microbatches", "4"]
         + ["--steps", "1", "--fwd_ms", "5"],
         check_pipeline,
     ),
     "pipeline_bubble_single": (
-        [*PY, "benchmarks/pipeline_bubble.py", "--single", "--cpu", "--microbatches", "4"]
+        ["benchmarks/pipeline_bubble.py", "--single", "--cpu", "--microbatches", "4"]
         + ["--rounds", "2", "--warmup", "1"],
         check_pipeline_single,
     ),
     "sequence_memory": (
-        [*PY, "benchmarks/sequence_memory.py", "--sizes", "2", "--min-seq", "128"]
+        ["benchmarks/sequence_memory.py", "--sizes", "2", "--min-seq", "128"]
         + ["--max-seq", "512", "--budget-mb", "4"],
         check_sequence,
     ),
     "comm_volume": (
-        [*PY, "benchmarks/comm_volume.py", "--sizes", "8x16x64", "--modes", "2d"],
+        ["benchmarks/comm_volume.py", "--sizes", "8x16x64", "--modes", "2d"],
         check_comm,
     ),
     "checkpoint_io": (
-        [*PY, "benchmarks/checkpoint_io.py", "--quick", "--ranks", "2"],
+        ["benchmarks/checkpoint_io.py", "--quick", "--ranks", "2"],
         check_checkpoint,
     ),
     "estimate_vs_published": (
-        [*PY, "benchmarks/estimate_vs_published.py"],
+        ["benchmarks/estimate_vs_published.py"],
         check_estimate,
     ),
     "largest_batch": (
-        [*PY, "benchmarks/largest_batch.py", "--device", "cpu", "--preset", "tiny"]
+        ["benchmarks/largest_batch.py", "--device", "cpu", "--preset", "tiny"]
         + ["--seq-len", "64"],
         check_largest,
     ),
@@ -237,6 +234,6 @@ CASES = {
 def test_benchmark_cpu_form(name):
     cmd, check = CASES[name]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU forms, on GPU machines too
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = forked.run(cmd, REPO, env, timeout=240)
     assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     check(out.stdout)
