@@ -31,7 +31,7 @@ def test_parameter_partition_minimises_the_largest_part():
 
 
 def test_partition_errors_name_the_numbers():
-    with pytest.raises(ValueError, match=r"cannot cut 3 layers into 4 pipeline parts"):
+    with pytest.raises(gt.PlanError, match=r"cannot cut 3 layers into 4 pipeline parts"):
         partition([1, 1, 1], 4)
     with pytest.raises(ValueError, match=r"partition must be one of .*'uniform'.*got 'greedy'"):
         partition([1, 1], 2, "greedy")
@@ -91,7 +91,7 @@ def test_unpartitionable_models_are_refused():
         def forward(self, x):
             return x
 
-    with pytest.raises(TypeError, match="nn.Sequential, or give it a pipeline_layers"):
+    with pytest.raises(gt.PlanError, match="nn.Sequential, or give it a pipeline_layers"):
         build_stage(Plain(), 0, 2)
 
     class Loose(nn.Sequential):
@@ -99,14 +99,14 @@ def test_unpartitionable_models_are_refused():
             super().__init__(nn.Linear(2, 2), nn.Linear(2, 2))
             self.scale = nn.Parameter(torch.ones(1))
 
-    with pytest.raises(ValueError, match=r"outside the pipeline layers.*\['scale'\]"):
+    with pytest.raises(gt.PlanError, match=r"outside the pipeline layers.*\['scale'\]"):
         build_stage(Loose(), 0, 2)
 
 
 def test_ties_between_middle_stages_are_refused():
     a, b, c, d = (nn.Linear(2, 2) for _ in range(4))
     c.weight = b.weight  # stages 1 and 2 of 4
-    with pytest.raises(ValueError, match=r"shared by pipeline stages \[1, 2\]"):
+    with pytest.raises(gt.PlanError, match=r"shared by pipeline stages \[1, 2\]"):
         build_stage(nn.Sequential(a, b, c, d), 0, 4)
 
 
@@ -243,9 +243,11 @@ def test_a_forward_that_is_not_a_chain_is_refused_by_name():
         def forward(self, ids):
             return self.head(self.emb(ids) * 2)
 
-    with pytest.raises(TypeError, match=r"output of layer 'emb' is used 2 times.*pipeline_layers"):
+    with pytest.raises(
+        gt.PlanError, match=r"output of layer 'emb' is used 2 times.*pipeline_layers"
+    ):
         layer_list(Residual())
-    with pytest.raises(TypeError, match=r"computes call_function 'mul' after layer 'emb'"):
+    with pytest.raises(gt.PlanError, match=r"computes call_function 'mul' after layer 'emb'"):
         layer_list(Scaled())
 
 

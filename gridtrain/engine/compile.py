@@ -7,7 +7,9 @@ an ``nn.Sequential``) keeps those graphs small and identical, so one compilation
 serves every block, and the code between blocks (embeddings, head, loss, pipeline p2p) stays eager.
 Only a block's ``forward`` is compiled: module hooks (ZeRO-3's FSDP2 gathers,
 gradient sync, BatchNorm broadcast) run eagerly around it. A model without a
-block list is compiled whole.
+block list is compiled whole. On a pipeline stage that runs the model's own forward the
+block list holds stand-ins for other stages' blocks: the blocks it keeps are its blocks,
+however few.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gridtrain.parallel.pipeline.model_stage import StandIn
 
 logger = logging.getLogger("gridtrain")
 
@@ -30,11 +34,13 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if not isinstance(module, nn.ModuleList | nn.Sequential):
             continue
         children = list(module.named_children())
-        counts = Counter(type(m) for _, m in children)
+        kept = [(key, m) for key, m in children if not isinstance(m, StandIn)]
+        counts = Counter(type(m) for _, m in kept)
+        cut = len(kept) < len(children)  # a pipeline stage: other stages' blocks stand in
         blocks = [
             (f"{name}.{key}" if name else key, m)
-            for key, m in children
-            if counts[type(m)] > 1 and next(m.children(), None) is not None
+            for key, m in kept
+            if (counts[type(m)] > 1 or cut) and next(m.children(), None) is not None
         ]
         if blocks:
             return blocks

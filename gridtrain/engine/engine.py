@@ -106,6 +106,7 @@ class Engine:
             grad_sync=self.overlap_grad_sync,
             split=self.split_batch,
             device=ctx.device,
+            check_inputs=self._check_stage_inputs,
         )
 
     # ---- modes ---------------------------------------------------------------------------
@@ -133,17 +134,26 @@ class Engine:
         with self._forward_context():
             return self.model(*args, **kwargs)
 
-    def forward_split(self, data: Any, chunk: int | None = None) -> Any:
-        """Forward on already-split ``data``: a tensor, a tuple of arguments or a dict of kwargs."""
+    def forward_split(self, data: Any, chunk: int | None = None, batch: Any = None) -> Any:
+        """Forward on already-split ``data``: a tensor, a tuple of arguments or a dict of kwargs
+        (under a pipeline, a later chunk's ``data`` is the activation received and ``batch``
+        its micro-batch)."""
         if chunk is None or chunk == 0:
             self._sync_batchnorm()
         extra = {} if chunk is None else {"chunk": chunk}
+        if batch is not None:
+            extra["batch"] = batch
         with self._forward_context():
             if isinstance(data, tuple | list):
                 return self.model(*data, **extra)
             if isinstance(data, dict):
                 return self.model(**data, **extra)
             return self.model(data, **extra)
+
+    def _check_stage_inputs(self, data: Any) -> None:
+        check = getattr(self.model, "check_stage_inputs", None)  # a stage running its own forward
+        if check is not None:
+            check(data)
 
     @contextlib.contextmanager
     def _forward_context(self) -> Iterator[None]:

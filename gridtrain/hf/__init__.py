@@ -16,8 +16,8 @@ Llama family, head checks) and checks what replaced layers must keep computing
 (``families.py``: Gemma's scaled embedding; anything else is refused by name; a
 ``1 + weight`` norm is the planner's ``norm_offset``), ``after_apply`` fixes what the model's code needs once sharded
 (``patches.py``, ``families.py``; ring attention and global positions under
-'sequence': ``attention.py``), and ``pipeline_layers`` cuts it along its layer list
-(``pipeline.py``). ``save_pretrained`` / ``load_pretrained`` (``save.py``,
+'sequence': ``attention.py``), and ``pipeline_layers`` gives its pipeline units
+(``pipeline.py``: every stage runs the model's own forward, other stages' layers stood in for). ``save_pretrained`` / ``load_pretrained`` (``save.py``,
 ``load.py``) move weights between any layout and a Hugging Face directory.
 
 Labels are shifted by the user before the batch is split: under sequence parallelism

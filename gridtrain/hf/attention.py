@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from gridtrain.parallel.context import ParallelContext
@@ -130,8 +129,3 @@ def _global_positions(ctx: ParallelContext):
         return args, kwargs
 
     return hook
-
-
-def positions_for(tokens: Tensor, ctx: ParallelContext | None = None) -> Tensor:
-    """``[1, s]`` global positions of ``tokens [B, s]`` (offset under sequence parallelism)."""
-    return sequence_positions(tokens.shape[1], tokens.device, ctx)[None].to(torch.long)

@@ -1,158 +1,107 @@
-"""A Hugging Face causal LM as a list of pipeline layers, cut along the model's own layer list.
+"""A Hugging Face causal LM under pipeline parallelism: every stage runs the model's own forward.
 
-The cut points come from ``transformers``' pipeline plan where the model has one
-(``_pp_plan`` = ``base_model_pp_plan`` prefixed, plus ``lm_head``: Llama, Qwen2,
-Mistral...): ``model.embed_tokens``, every ``model.layers.i``, ``model.norm``,
-``lm_head``. GPT-2 has none; its list is ``wte``, ``wpe``, every ``h.i``, ``ln_f``,
-``lm_head``. Each layer keeps its module path (so a stage's state dict has the dense
-keys) and gets a ``gt_pipeline_run`` that calls it the way the model's forward would.
+The cut points come from ``transformers``' pipeline plan (``_pp_plan``: the base model's
+``base_model_pp_plan`` prefixed, plus ``lm_head``: Llama, Qwen2, Gemma2, Granite,
+Cohere...): ``model.embed_tokens``, every ``model.layers.i``, ``model.norm``, ``lm_head``.
+GPT-2 has none; gridtrain's plan for it, in the same form, is ``GPT2_PP_PLAN``. The plan
+becomes a ``ModelCut`` (``parallel.pipeline.model_stage``): each stage keeps the model with
+the units other stages hold replaced by stand-ins and runs ``model.forward`` on every
+micro-batch, so what the family does around its layers (scaled or multiplied embeddings,
+soft-capped or scaled logits, final norms, rotary tables, masks) runs, by the model's own
+code, on the stage that owns it. A stage never begins at a unit given token ids (GPT-2's
+position embedding), only at one given the hidden states.
 
-What travels between stages is a tuple ``(hidden_states, position_ids[, attention_mask])``:
-the padding mask of a dict batch (``dict(input_ids=..., attention_mask=...)``, the HF
-convention) reaches every stage, and each decoder layer rebuilds its causal mask
-(``create_causal_mask``) and rotary embeddings from it, as the model's forward does
-once. The last layer returns the HF output object (``CausalLMOutputWithPast``), so the
-loss reads ``out.logits`` as without a pipeline.
+A dict batch may hold ``input_ids``, ``attention_mask``, ``position_ids`` and
+``token_type_ids`` (those the model's forward takes) and ``labels`` (the criterion's): every
+stage's forward gets the micro-batch again, so the padding mask and positions reach every
+stage; one tensor, the hidden states, crosses each cut. Stages call the forward with
+``use_cache=False`` (training keeps no key/value cache). The last stage returns the model's
+output object (``CausalLMOutputWithPast``), so the loss reads ``out.logits`` as without a
+pipeline.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from gridtrain.hf.attention import positions_for
 from gridtrain.hf.patches import give_reset_parameters
+from gridtrain.parallel.pipeline.model_stage import ModelCut, StageUnit
+from gridtrain.parallel.tensor.plan import PlanError
+
+# the batch keys a stage's forward may be given, where the model's forward takes them
+BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
+# GPT-2's units and their inputs / outputs, in transformers' _pp_plan form
+GPT2_PP_PLAN = {
+    "transformer.wte": (["input_ids"], ["inputs_embeds"]),
+    "transformer.wpe": (["position_ids"], ["position_embeds"]),
+    "transformer.h": (["hidden_states"], ["hidden_states"]),
+    "transformer.ln_f": (["hidden_states"], ["hidden_states"]),
+    "lm_head": (["hidden_states"], ["logits"]),
+}
 
 
-def pipeline_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(module path, module)`` in execution order, each with its ``gt_pipeline_run``."""
+def pipeline_layers(model: nn.Module) -> ModelCut:
+    """The model's units in execution order (its pipeline plan), and the batch keys every
+    stage's forward takes; a ``PlanError`` for a model no plan covers."""
     cfg = model.config
     if not cfg.architectures:
         cfg.architectures = [type(model).__name__]
     give_reset_parameters(model)  # gt.lazy_init: each stage re-initialises what it keeps
-    if getattr(cfg, "model_type", None) == "gpt2":
-        layers = _gpt2_layers(model)
-    elif getattr(model, "_pp_plan", None):
-        layers = _planned_layers(model)
-    else:
-        raise TypeError(
-            f"{type(model).__name__} has no pipeline plan (_pp_plan) and gridtrain has none "
-            "for it; list its layers with a pipeline_layers() method"
-        )
-    for _, module, run in layers:
-        module.gt_pipeline_run = run
-    return [(name, module) for name, module, _ in layers]
-
-
-def _gpt2_layers(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
-    if not hasattr(model, "lm_head"):
-        raise TypeError(f"pipeline parallelism takes GPT2LMHeadModel, got {type(model).__name__}")
-    base, cfg = model.transformer, model.config
-    base.wpe.gt_dropout = base.drop.p  # GPT2Model's embedding dropout, applied after wpe
-    layers = [("transformer.wte", base.wte, _embed), ("transformer.wpe", base.wpe, _gpt2_wpe)]
-    layers += [(f"transformer.h.{i}", h, _block(cfg, None)) for i, h in enumerate(base.h)]
-    layers += [("transformer.ln_f", base.ln_f, _plain), ("lm_head", model.lm_head, _head)]
-    return layers
-
-
-def _planned_layers(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
-    layers = []
-    base_model = getattr(model, "base_model", model)
-    rotary = getattr(base_model, "rotary_emb", None)
-    names = _execution_order(model)
-    for index, name in enumerate(names):
-        module = model.get_submodule(name)
+    units: list[StageUnit] = []
+    for path, (inputs, _) in _pipeline_plan(model).items():
+        module = model.get_submodule(path)
+        cut_before = not inputs[0].endswith("_ids")  # a lookup of token ids starts no stage
         if isinstance(module, nn.ModuleList):
-            for i, layer in enumerate(module):
-                if rotary is not None:  # each decoder layer computes cos/sin on its stage
-                    layer.gt_rotary = rotary  # a buffer-only child: no state-dict keys
-                layers.append((f"{name}.{i}", layer, _block(model.config, i)))
-        elif index == 0:
-            layers.append((name, module, _embed))
-        elif index == len(names) - 1 and name == "lm_head":
-            layers.append((name, module, _head))
+            units += [
+                StageUnit(f"{path}.{i}", m, cut_before, inputs[0]) for i, m in enumerate(module)
+            ]
         else:
-            layers.append((name, module, _plain))
-    return layers
+            units.append(StageUnit(path, module, cut_before, inputs[0]))
+    params = _forward_parameters(model)
+    keys = tuple(k for k in BATCH_KEYS if k in params)
+    call = {"use_cache": False} if "use_cache" in params else {}
+    return ModelCut(tuple(units), keys, call)
 
 
-def _execution_order(model: nn.Module) -> list[str]:
-    """The pipeline plan's module paths, base model first (``_pp_plan`` lists ``lm_head``
-    first; ``config.base_model_pp_plan`` keeps the base model's order)."""
-    prefix = ""
+def _pipeline_plan(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
+    """Module path -> (inputs, outputs), base model first: ``_pp_plan`` lists ``lm_head``
+    before the base model's units; the base model's keep their order."""
+    if getattr(model.config, "model_type", None) == "gpt2" and hasattr(model, "transformer"):
+        return dict(GPT2_PP_PLAN)
+    plan = dict(getattr(model, "_pp_plan", None) or {})
+    prefix = _base_prefix(model)
+    base = dict(getattr(model.config, "base_model_pp_plan", None) or {})
+    ordered = {prefix + k: v for k, v in base.items()}
+    ordered.update({k: v for k, v in plan.items() if k.startswith(prefix) and k not in ordered})
+    ordered.update({k: v for k, v in plan.items() if k not in ordered})
+    covered = {id(p) for k in ordered for p in model.get_submodule(k).parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if not plan or outside:
+        name = type(model).__name__
+        raise PlanError(
+            f"{name} has no pipeline plan (transformers' _pp_plan"
+            + (f" covers {sorted(ordered)} but not {outside[:3]}" if plan else "")
+            + ") and gridtrain has none for it: pipeline parallelism cannot cut it; use a "
+            "layout without parallel.pipeline"
+        )
+    return ordered
+
+
+def _forward_parameters(model: nn.Module) -> set[str]:
+    """The named parameters of the model's forward, and of the forwards a subclass's
+    ``forward(*args, **kwargs)`` hands on to."""
+    names: set[str] = set()
+    for cls in type(model).__mro__:
+        if "forward" in vars(cls):
+            names |= set(inspect.signature(vars(cls)["forward"]).parameters)
+    return names
+
+
+def _base_prefix(model: nn.Module) -> str:
+    base = getattr(model, "base_model", model)
     for name, module in model.named_modules():
-        if module is getattr(model, "base_model", model):
-            prefix = f"{name}." if name else ""
-            break
-    base = [prefix + k for k in (getattr(model.config, "base_model_pp_plan", None) or {})]
-    return base + [k for k in model._pp_plan if k not in base]
-
-
-# ---- how each layer is called (``run(module, *previous outputs, **batch on stage 0)``) --------
-def _embed(module: nn.Module, *args: Tensor, **batch: Any) -> tuple[Tensor, ...]:
-    ids = batch.pop("input_ids", args[0] if args else None)
-    if ids is None:
-        raise ValueError("the first pipeline stage needs input_ids (a tensor or a dict key)")
-    mask = batch.pop("attention_mask", None)
-    positions = batch.pop("position_ids", None)
-    if batch:
-        raise ValueError(f"pipeline: batch keys {sorted(batch)} are not supported")
-    positions = positions_for(ids) if positions is None else positions
-    out = (module(ids), positions)
-    return out if mask is None else (*out, mask.long())
-
-
-def _gpt2_wpe(module: nn.Module, hidden: Tensor, positions: Tensor, *mask: Tensor):
-    p = module.gt_dropout if module.training else 0.0
-    hidden = F.dropout(hidden + module(positions), p, module.training)
-    return (hidden, positions, *mask)
-
-
-def _block(config, layer_index: int | None):
-    def run(layer: nn.Module, hidden: Tensor, positions: Tensor, *mask: Tensor):
-        kwargs: dict[str, Any] = {
-            "attention_mask": _mask(config, layer_index, hidden, positions, mask),
-            "position_ids": positions,
-        }
-        rotary = getattr(layer, "gt_rotary", None)
-        if rotary is not None:
-            kwargs["position_embeddings"] = rotary(hidden, positions)
-        out = layer(hidden, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return (out, positions, *mask)
-
-    return run
-
-
-def _mask(config, layer_index, hidden: Tensor, positions: Tensor, mask: tuple[Tensor, ...]):
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    padding = mask[0] if mask else None
-    sliding = getattr(config, "sliding_window", None) is not None
-    types = getattr(config, "layer_types", None)
-    if types is not None and layer_index is not None:
-        sliding = types[layer_index] == "sliding_attention"
-    make = create_sliding_window_causal_mask if sliding else create_causal_mask
-    # transformers < 5.20 names the cache argument past_key_values
-    cache = "cache" if "cache" in inspect.signature(make).parameters else "past_key_values"
-    kwargs = {cache: None}
-    return make(
-        config=config,
-        inputs_embeds=hidden,
-        attention_mask=padding,
-        position_ids=positions,
-        **kwargs,
-    )
-
-
-def _plain(module: nn.Module, hidden: Tensor, positions: Tensor, *mask: Tensor):
-    return (module(hidden), positions, *mask)
-
-
-def _head(module: nn.Module, hidden: Tensor, positions: Tensor, *mask: Tensor):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return CausalLMOutputWithPast(logits=module(hidden))
+        if module is base:
+            return f"{name}." if name else ""
+    return ""

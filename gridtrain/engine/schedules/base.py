@@ -20,9 +20,12 @@ from torch import Tensor
 class StepFunctions:
     """The operations a schedule may run, each already configured by the engine.
 
-    * ``forward(data, chunk)``: the model on this rank's (already split) data: a tensor,
-      a tuple of positional arguments or a dict of keyword arguments; ``chunk`` picks a
-      pipeline chunk (None: the whole local model). Runs under the configured autocast.
+    * ``forward(data, chunk, batch=None)``: the model on this rank's (already split) data: a
+      tensor, a tuple of positional arguments or a dict of keyword arguments; ``chunk`` picks
+      a pipeline chunk (None: the whole local model). A pipeline chunk other than the
+      model's first is given the activation received as ``data`` and its micro-batch as
+      ``batch`` (a stage that runs the model's own forward reads masks and positions from
+      it). Runs under the configured autocast.
     * ``loss(output, label)``: the criterion on already-split labels (the label exactly as
       the batch gave it: a tensor, or a tuple/dict of them), under autocast.
     * ``backward(loss)``: back-propagates one micro-batch's loss, scaled for gradient
@@ -30,6 +33,8 @@ class StepFunctions:
     * ``grad_sync()``: a context manager to wrap the last backward of an accumulation
       window in (the data-parallel all-reduce then overlaps it).
     * ``split(batch)``: this rank's part of a batch under the tensor mode.
+    * ``check_inputs(data)``: refuses, before any transfer, a batch the pipeline stages cannot
+      run (every stage checks the same batch, so none is left waiting).
     """
 
     forward: Callable[[Any, int | None], Any]
@@ -38,6 +43,7 @@ class StepFunctions:
     grad_sync: Callable[[], contextlib.AbstractContextManager]
     split: Callable[[Any], Any]
     device: torch.device
+    check_inputs: Callable[[Any], None] = lambda data: None
 
 
 class Schedule(Protocol):

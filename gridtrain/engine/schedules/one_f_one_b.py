@@ -99,6 +99,7 @@ class PipelineSchedule:
         # split per tensor mode first (2d/2.5d/3d keep a slice of the batch), then micro-batch
         self._inputs = _micro(steps.split(data), m, "inputs")
         self._labels = _micro(steps.split(label), m, "labels")
+        steps.check_inputs(self._inputs[0])
         self._steps = steps
         self._forward_only = forward_only
         self._need_loss = return_loss or not forward_only
@@ -204,7 +205,7 @@ class PipelineSchedule:
         first = self._is_first(chunk)
         data = self._inputs[index] if first else as_tuple(x)
         with self._timed():
-            out = steps.forward(data, chunk)
+            out = steps.forward(data, chunk, None if first else self._inputs[index])
             if not self._is_last(chunk):
                 return out
             if self._keep_outputs:

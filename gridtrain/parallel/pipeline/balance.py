@@ -16,6 +16,10 @@ and once in a part that holds both.
 
 Both balancing methods are an exact dynamic programme over the cut points (layer
 counts are small; a plain search would miss the optimum with a heavy embedding and head).
+Where a part may not begin at some layers (``starts``: a model run by its own forward cannot
+be cut before a unit given token ids, such as GPT-2's position embedding), every method
+keeps to the allowed cut points (``"uniform"`` then balances layer counts by the same
+programme).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import re
 from collections.abc import Callable
 
 from torch import Tensor, nn
+
+from gridtrain.parallel.tensor.plan import PlanError
 
 METHODS = ("balanced", "parameters", "uniform")
 # an embedding's table is looked up: by class, since tensor-parallel embeddings replace
@@ -83,27 +89,35 @@ def layer_costs(
 
 
 def partition(
-    weights: list[int] | LayerCosts, parts: int, method: str = "balanced"
+    weights: list[int] | LayerCosts,
+    parts: int,
+    method: str = "balanced",
+    starts: list[bool] | None = None,
 ) -> list[tuple[int, int]]:
     """Cut the layers into ``parts`` contiguous non-empty ``[start, end)`` ranges.
 
     ``weights``: the layers' costs (``layer_costs``), or plain parameter counts (then
-    compute is taken as proportional to them).
+    compute is taken as proportional to them). ``starts[i]``: whether a part may begin at
+    layer ``i`` (None: anywhere).
     """
     costs = weights if isinstance(weights, LayerCosts) else _plain(weights)
     n = len(costs.compute)
     if method not in METHODS:
         raise ValueError(f"parallel.pipeline.partition must be one of {METHODS}, got {method!r}")
-    if parts < 1 or n < parts:
-        raise ValueError(
-            f"cannot cut {n} layers into {parts} pipeline parts (pipeline size x num_chunks); "
-            f"each part needs at least one layer"
+    allowed = [True] * n if starts is None else [True, *starts[1:]]
+    if parts < 1 or sum(allowed) < parts:
+        where = "" if starts is None else f" ({sum(allowed)} places where a part may begin)"
+        raise PlanError(
+            f"cannot cut {n} layers{where} into {parts} pipeline parts (pipeline size x "
+            f"num_chunks); each part needs at least one layer"
         )
-    if method == "uniform":
+    if method == "uniform" and all(allowed):
         base, extra = divmod(n, parts)
         sizes = [base + (i < extra) for i in range(parts)]
+    elif method == "uniform":
+        sizes = _balanced_sizes(lambda a, b: (b - a) / n, n, parts, allowed)
     else:
-        sizes = _balanced_sizes(_span_cost(costs, method), n, parts)
+        sizes = _balanced_sizes(_span_cost(costs, method), n, parts, allowed)
     bounds, start = [], 0
     for size in sizes:
         bounds.append((start, start + size))
@@ -132,7 +146,9 @@ def _span_cost(costs: LayerCosts, method: str) -> Callable[[int, int], float]:
     return cost
 
 
-def _balanced_sizes(cost: Callable[[int, int], float], n: int, parts: int) -> list[int]:
+def _balanced_sizes(
+    cost: Callable[[int, int], float], n: int, parts: int, allowed: list[bool]
+) -> list[int]:
     # best[k][i]: the smallest largest-part cost putting the first i layers in k parts
     best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
@@ -140,6 +156,8 @@ def _balanced_sizes(cost: Callable[[int, int], float], n: int, parts: int) -> li
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for j in range(k - 1, i):
+                if not allowed[j]:
+                    continue
                 c = max(best[k - 1][j], cost(j, i))
                 if c < best[k][i] - 1e-12:  # ties keep the earliest cut: the same on every rank
                     best[k][i], cut[k][i] = c, j

@@ -4,8 +4,9 @@ Where they come from, first match wins:
 
 * ``model.pipeline_layers()``: modules, or ``(name, module)`` pairs, listed by the model;
 * an ``nn.Sequential``: its children;
-* the model library's adapter, handed in by ``gt.initialize`` (``gridtrain.hf`` cuts a
-  Hugging Face model along its ``_pp_plan``);
+* the model library's adapter, handed in by ``gt.initialize``: ``gridtrain.hf`` gives a
+  Hugging Face model's units along its ``_pp_plan`` as a ``ModelCut``, and every stage then
+  runs the model's own forward (``model_stage.py``);
 * any other model whose ``forward`` only chains its layers, such as
   ``self.head(self.norm(self.blocks(self.emb(ids))))`` or a loop over an
   ``nn.ModuleList`` of blocks. ``torch.fx`` traces the forward symbolically (no input
@@ -17,13 +18,15 @@ Where they come from, first match wins:
   would drop what crosses it.
 
 Every parameter must belong to a listed layer: one outside them would be on no stage.
+A model that cannot be cut is refused with a ``PlanError`` naming what is missing.
 """
 
 from __future__ import annotations
 
 from torch import fx, nn
 
-from gridtrain.parallel.tensor.plan import ModelAdapter
+from gridtrain.parallel.pipeline.model_stage import ModelCut
+from gridtrain.parallel.tensor.plan import ModelAdapter, PlanError
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -32,12 +35,23 @@ def layer_list(
     model: nn.Module, adapter: ModelAdapter | None = None
 ) -> list[tuple[str, nn.Module]]:
     """The model's layers in execution order, each with its dotted path inside ``model``."""
+    return stage_layers(model, adapter)[0]
+
+
+def stage_layers(
+    model: nn.Module, adapter: ModelAdapter | None = None
+) -> tuple[list[tuple[str, nn.Module]], ModelCut | None]:
+    """``layer_list``'s layers, and the adapter's ``ModelCut`` where the stages run the model's
+    own forward (None where they chain the layers)."""
+    cut = None
     if hasattr(model, "pipeline_layers"):
         items = list(model.pipeline_layers())
     elif isinstance(model, nn.Sequential):
         items = list(model.named_children())
     elif adapter is not None:
-        items = list(adapter.pipeline_layers(model))
+        given = adapter.pipeline_layers(model)
+        cut = given if isinstance(given, ModelCut) else None
+        items = [(u.name, u.module) for u in cut.units] if cut is not None else list(given)
     else:
         items = chained_layers(model)
     path_of = {id(m): name for name, m in model.named_modules() if name}
@@ -45,7 +59,7 @@ def layer_list(
     for item in items:
         name, module = item if isinstance(item, tuple) else (path_of.get(id(item)), item)
         if not isinstance(module, nn.Module) or name is None:
-            raise TypeError(
+            raise PlanError(
                 f"pipeline_layers() of {type(model).__name__} must yield submodules of the "
                 f"model (or (name, module) pairs), got {type(module).__name__}"
             )
@@ -53,11 +67,11 @@ def layer_list(
     covered = {id(p) for _, m in layers for p in m.parameters()}
     outside = [n for n, p in model.named_parameters() if id(p) not in covered]
     if outside:
-        raise ValueError(
+        raise PlanError(
             f"parameters outside the pipeline layers cannot be placed on a stage: {outside[:5]}; "
             f"wrap them in a layer listed by pipeline_layers()"
         )
-    return layers
+    return layers, cut
 
 
 class _LayerTracer(fx.Tracer):
@@ -78,7 +92,7 @@ def chained_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         graph = _LayerTracer().trace(model)
     except Exception as err:  # noqa: BLE001 - any trace failure gets the same advice
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise TypeError(f"{what}: torch.fx could not trace its forward ({first}); {how}") from err
+        raise PlanError(f"{what}: torch.fx could not trace its forward ({first}); {how}") from err
     layers: list[tuple[str, nn.Module]] = []
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     previous = None
@@ -87,11 +101,11 @@ def chained_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         if node.op == "output":
             if previous is None or node.args[0] is not previous:
-                raise TypeError(f"{what}: its output is not the last layer's output; {how}")
+                raise PlanError(f"{what}: its output is not the last layer's output; {how}")
             break
         problem = _chain_problem(node, previous, inputs, [n for n, _ in layers])
         if problem:
-            raise TypeError(f"{what}: {problem}; {how}")
+            raise PlanError(f"{what}: {problem}; {how}")
         layers.append((node.target, model.get_submodule(node.target)))
         previous = node
     return layers
