@@ -107,15 +107,18 @@ def test_hooks_save_sharded_and_resume_from_the_latest_by_themselves(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["epoch_1", "epoch_2", "epoch_3"]
 
 
+def _save_both(ctx, dense: str, sharded: str) -> None:
+    model = torch.nn.Linear(2, 2)
+    gt.save_checkpoint(dense, 1, model)
+    time.sleep(0.01)
+    gt.save_checkpoint(sharded, 1, model, sharded=True)
+
+
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
     assert gt.latest_checkpoint(tmp_path / "missing") is None
     assert gt.latest_checkpoint(tmp_path) is None
-    dense = tmp_path / "b.pt"
-    files.atomic_torch_save({"format": 1}, dense)
-    time.sleep(0.01)
-    sharded = tmp_path / "a"
-    sharded.mkdir()
-    (sharded / files.MARKER).write_text("{}")
+    dense, sharded = tmp_path / "b.pt", tmp_path / "a"
+    run_distributed(_save_both, 1, str(dense), str(sharded), timeout=TIMEOUT)
     assert gt.latest_checkpoint(tmp_path) == sharded, "newest by completion, not by name"
     time.sleep(0.01)
     (tmp_path / "c").mkdir()  # no marker: an incomplete or foreign directory

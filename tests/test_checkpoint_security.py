@@ -157,6 +157,8 @@ def test_stale_temporaries_are_removed_by_the_next_save(tmp_path):
     partial_dir = tmp_path / temp_name("epoch_3", dead)
     partial_dir.mkdir()
     (partial_dir / "__0_0.distcp").write_bytes(b"partial")
+    newline = tmp_path / temp_name("a\nname.pt", dead)  # any character but '/' may name a target
+    newline.write_bytes(b"partial")
     live = tmp_path / temp_name("other.pt", alive)  # a save in flight in another process
     live.write_bytes(b"in flight")
     foreign_new = tmp_path / temp_name("x.pt", 1, host="otherhost")

@@ -1,5 +1,8 @@
 """torch autocast (fp16 or bf16) and torch's GradScaler, with the overflow agreed across the model.
 
+The scale is kept within ``fp16.min_scale``/``max_scale`` as naive fp16's is (GradScaler
+has no floor of its own).
+
 GradScaler finds infs on this rank's gradients only; tensor- and pipeline-
 parallel ranks hold different gradients, so the found-inf flags are all-reduced
 (max) over the MODEL group before the scaler steps, and all ranks skip together.
@@ -56,6 +59,12 @@ class TorchAmpOptimizer(AmpOptimizer):
     ):
         super().__init__(optim)
         self.ctx = ctx
+        if not cfg.min_scale <= cfg.initial_scale <= cfg.max_scale:
+            raise ValueError(
+                f"fp16.initial_scale {cfg.initial_scale} must lie in [min_scale "
+                f"{cfg.min_scale}, max_scale {cfg.max_scale}]"
+            )
+        self.min_scale, self.max_scale = cfg.min_scale, cfg.max_scale
         kwargs = dict(
             init_scale=cfg.initial_scale,
             growth_factor=cfg.growth_factor,
@@ -102,4 +111,11 @@ class TorchAmpOptimizer(AmpOptimizer):
         self.scaler.step(self.optim)
 
     def update_scale(self, overflow: bool) -> None:
+        """GradScaler's update, then the scale held to [min_scale, max_scale] (on the device:
+        no sync). GradScaler itself has no floor: a long run of overflows halves its scale
+        down to 0, after which the next finite step multiplies the gradients by inf and
+        writes NaN into every weight."""
         self.scaler.update()
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is not None:
+            scale.clamp_(self.min_scale, self.max_scale)

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from gridtrain.config.limits import Count, LossScale
+from gridtrain.config.limits import Count, LossScale, NonNegativeCount
 from gridtrain.config.section import Section
 
 
@@ -37,8 +37,15 @@ class Fp16Config(Section):
     backoff_factor: float = Field(0.5, gt=0, lt=1, description="scale multiplier on overflow")
     growth_interval: Count = Field(1000, description="good steps before the scale grows")
     hysteresis: Count = Field(2, description="naive: overflows tolerated before backing off")
-    min_scale: LossScale = Field(1.0, description="naive: smallest loss scale")
-    max_scale: LossScale = Field(2.0**32, description="naive: largest loss scale")
+    min_scale: LossScale = Field(
+        1.0, description="smallest loss scale (torch and naive): it never backs off below"
+    )
+    max_scale: LossScale = Field(2.0**32, description="largest loss scale (torch and naive)")
+    max_skipped_steps: NonNegativeCount = Field(
+        64,
+        description="torch and naive: optimizer steps skipped in a row for overflowing "
+        "gradients before training stops with NonFiniteLossError; 0 = never stop",
+    )
     verbose: bool = Field(False, description="log scale changes")
     opt_level: Literal["O0", "O1", "O2", "O3"] = Field("O1", description="apex only")
 

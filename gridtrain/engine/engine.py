@@ -91,7 +91,10 @@ class Engine:
         self.max_nonfinite_steps = getattr(ctx.config, "max_nonfinite_steps", 3)
         multi = ctx.world_size(ParallelMode.GLOBAL) > 1
         self.nonfinite = NonFiniteGuard(
-            ctx.device, ctx.group(ParallelMode.GLOBAL) if multi else None, self.max_nonfinite_steps
+            ctx.device,
+            ctx.group(ParallelMode.GLOBAL) if multi else None,
+            self.max_nonfinite_steps,
+            overflow_limit=ctx.config.fp16.max_skipped_steps if ctx.config.fp16 else 0,
         )
         self.accumulation = GradientAccumulation(ctx.config.gradient_accumulation)
         self._user_criterion = criterion

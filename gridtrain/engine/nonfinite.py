@@ -10,6 +10,9 @@ CUDA the host then reads the flag one step later, from a pinned copy, when it is
 long done, so the counting (``global_step``, ``max_nonfinite_steps``) lags by a step
 and an LR scheduler still advances on a skipped step, as under torch's GradScaler.
 
+Under fp16 the loss scaler skips overflowing steps itself; the guard counts them in a row
+(``OverflowRun``), warns as the run grows and stops training at ``fp16.max_skipped_steps``.
+
 The guard also concludes each window: ``before_step``/``after_step`` return the step's
 ``Outcome`` (taken, overflowed, not finite) as far as it is known, fp16 overflows
 included, and ``global_step`` is the windows concluded less those known skipped.
@@ -65,10 +68,18 @@ class NonFiniteGuard:
     once, or a step later on CUDA), as the step's return value says.
     """
 
-    def __init__(self, device: torch.device, group, limit: int, defer: bool | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        group,
+        limit: int,
+        defer: bool | None = None,
+        overflow_limit: int = 0,
+    ):
         self.device = device
         self.group = group  # the GLOBAL group, None on one process
         self.limit = limit
+        self.overflows = OverflowRun(overflow_limit)  # fp16: skips for overflow in a row
         defer = device.type == "cuda" if defer is None else defer
         self.late = LateFlag(defer)  # the non-finite flag of a device-skipped step
         self.overflow = LateFlag(defer)  # fp16: the loss scaler's overflow flag, the same way
@@ -125,15 +136,21 @@ class NonFiniteGuard:
             if late is not None:
                 nonfinite = late
                 self.record(late, self.windows, drop_grads)
+        known = True
         if check.overflow_flag is not None:
-            overflow = bool(self.overflow.push(check.overflow_flag))
+            late = self.overflow.push(check.overflow_flag)
+            known = late is not None
+            overflow = bool(late)
         outcome = Outcome(overflow, nonfinite)
-        self._conclude(outcome)
+        self._conclude(outcome, overflow_known=known)
         return outcome
 
     def settle(self) -> None:
         """Read the flags the last window queued (waits for them) and count its skip."""
-        if self.overflow.pop():
+        overflow = self.overflow.pop()
+        if overflow is not None:
+            self.overflows.count(overflow, self.windows - 1, self.speaks)
+        if overflow:
             self.skipped += 1
             logger.info("fp16 gradients overflowed: step skipped on every rank")
         late = self.late.pop()
@@ -141,9 +158,11 @@ class NonFiniteGuard:
             self.skipped += late
             self.record(late, self.windows - 1, None)
 
-    def _conclude(self, outcome: Outcome) -> None:
+    def _conclude(self, outcome: Outcome, overflow_known: bool = True) -> None:
         self.windows += 1
         self.skipped += not outcome.stepped
+        if overflow_known:  # else settle() counts it, when the device flag is read
+            self.overflows.count(outcome.overflow, self.windows - 1, self.speaks)
 
     def record(self, bad: bool, window: int, drop_grads: Callable[[], None] | None) -> None:
         """Count a non-finite check's result; ``max_nonfinite_steps`` bad ones in a row raise.
@@ -177,6 +196,41 @@ class NonFiniteGuard:
     @defer.setter
     def defer(self, value: bool) -> None:
         self.late.defer = self.overflow.defer = value
+
+
+class OverflowRun:
+    """fp16: optimizer steps skipped in a row because the gradients overflowed. A few at the
+    start are the loss scale finding its level; a long run means the loss or the gradients
+    are inf/NaN whatever the scale, and training would only skip on (or, with a scale that
+    reached 0, write NaN). Each skip from the ``QUIET``-th on is a warning; ``limit`` in a row
+    (``fp16.max_skipped_steps``, 0 = never) raise :class:`NonFiniteLossError`."""
+
+    QUIET = 4  # skips in a row that pass as calibration (logged at INFO by the engine)
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_a_row = 0
+
+    def count(self, overflow: bool, window: int, speaks: bool) -> None:
+        if not overflow:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if speaks and self.in_a_row >= self.QUIET:
+            stop = f"; training stops at {self.limit}" if self.limit else ""
+            logger.warning(
+                "fp16 gradients overflowed: step %d skipped on every rank (%d in a row%s)",
+                window,
+                self.in_a_row,
+                stop,
+            )
+        if self.limit and self.in_a_row >= self.limit:
+            raise NonFiniteLossError(
+                f"fp16: the gradients overflowed in {self.in_a_row} optimizer steps in a row "
+                f"(fp16.max_skipped_steps = {self.limit}), so no loss scale makes them finite: "
+                "the loss or the gradients are inf/NaN. Lower the learning rate, clip "
+                "gradients or check the data"
+            )
 
 
 class LateFlag:

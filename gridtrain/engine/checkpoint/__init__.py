@@ -8,7 +8,8 @@ rank write only its own shards into a directory through
 directory sharded) into any layout. Both become visible only when complete, replace
 only a checkpoint of ours (``files``), carry CRC-32s that make any damaged byte an
 error (``integrity``) and load nothing but tensors and plain values (``files``,
-``dcp_metadata``). ``latest_checkpoint`` finds the newest complete one in a directory.
+``dcp_metadata``). ``latest_checkpoint`` finds the newest intact one in a directory
+(``latest``), skipping damaged ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gridtrain.engine.checkpoint import dense as dense_format
-from gridtrain.engine.checkpoint import files, integrity, writer
+from gridtrain.engine.checkpoint import files, integrity, latest, pinned, writer
 from gridtrain.engine.checkpoint import sharded as sharded_format
 from gridtrain.engine.checkpoint.errors import (
     CheckpointError,
@@ -104,8 +105,17 @@ def load_checkpoint(
         return sharded_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
     if not path.is_file():
         raise FileNotFoundError(f"load_checkpoint: no checkpoint at '{path}'")
-    integrity.verify_dense(path, f"load_checkpoint: '{path}'")
-    return dense_format.load(path, model, optimizer, lr_scheduler, extra, ctx)
+
+    def read(root: Path) -> int:  # the file every rank opened (pinned): one version of it
+        error = None
+        try:
+            integrity.verify_dense(root, f"load_checkpoint: '{path}'")
+        except (CheckpointError, OSError) as err:
+            error = err
+        pinned.agree(error, ctx)
+        return dense_format.load(root, model, optimizer, lr_scheduler, extra, ctx, path)
+
+    return pinned.load(path, ctx, read)
 
 
 def full_optimizer_state_dict(
@@ -123,15 +133,19 @@ def full_optimizer_state_dict(
     return dense_format.dense_optimizer_state(optimizer, model, ctx or get_context())
 
 
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directly in ``directory``, or None.
+def latest_checkpoint(directory: str | os.PathLike, verify: bool = True) -> Path | None:
+    """The newest intact checkpoint directly in ``directory``, or None.
 
-    Complete: a dense file (torch's zip format) or a sharded directory with its
-    completion marker; hidden entries (temporaries of saves in flight or
-    interrupted) never count. Newest: the latest completed write (modification
-    time of the file or marker), whatever the names.
+    Newest: the latest completed write (modification time of the file or of the
+    sharded directory's completion marker), whatever the names; hidden entries
+    (temporaries of saves in flight or interrupted) never count. Intact: every byte
+    matches the CRC-32s written with it (this reads the whole checkpoint on the
+    calling process). A newer checkpoint that is damaged (truncated, a byte changed, a
+    shard missing, no completion marker) is skipped with a warning naming it and why,
+    and the one before it is tried: an automatic resume falls back rather than fails.
+    ``verify=False``: the newest complete one, its bytes unread.
     """
-    return files.latest(directory)
+    return latest.newest_intact(directory, verify)
 
 
 __all__ = [

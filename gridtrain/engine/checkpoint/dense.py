@@ -102,8 +102,12 @@ def write(path: Path, obj: dict) -> None:
     files.atomic_torch_save(obj, path)
 
 
-def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
-    ckpt = files.safe_torch_load(path, f"'{path}'")
+def load(
+    path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext, where: Path
+) -> int:
+    """Read the file ``path`` (a pinned descriptor's name; ``where``: its name for messages)."""
+    ckpt = files.safe_torch_load(path, f"'{where}'")
+    path = where
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(
             f"load_checkpoint: '{path}' is not a gridtrain checkpoint (format {FORMAT})"

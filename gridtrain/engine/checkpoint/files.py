@@ -9,7 +9,8 @@ checked again, atomically, as it is swapped out. The temporary name says who mad
 it (``.NAME.tmp-gt.PID@HOST.RANDOM``): the next save in that directory removes
 those whose process is gone (same host) or that are older than ``STALE_S``
 (another host), and finishes a replacement that a crash cut between its two
-renames. Temporary files are created with ``O_EXCL`` (``tempfile``), so a planted
+renames; a replaced directory that a load still reads (``pinned`` holds a shared ``flock``
+on it) is left to a later save. Temporary files are created with ``O_EXCL`` (``tempfile``), so a planted
 file or link is never opened, and clean-up never follows a link: entries are
 examined with ``lstat`` and opened with ``O_NOFOLLOW``, and a link is unlinked itself.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import io
 import logging
 import os
@@ -44,13 +46,17 @@ from gridtrain.engine.checkpoint.errors import (
     CheckpointError,
     CheckpointTargetError,
     UnsafeCheckpointError,
+    disk_full,
 )
 
 logger = logging.getLogger("gridtrain")
 
 MARKER = "gridtrain_checkpoint.json"  # written last into a sharded checkpoint's directory
 STALE_S = 3600.0  # a temporary of another host counts as abandoned after this long
-_TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<kind>tmp|old)-gt\.(?P<pid>\d+)@(?P<host>[\w-]+)\.\w+$")
+# fullmatch, DOTALL: a target name may hold any character but '/', a newline included
+_TEMP = re.compile(
+    r"\.(?P<target>.+)\.(?P<kind>tmp|old)-gt\.(?P<pid>\d+)@(?P<host>[\w-]+)\.\w+", re.DOTALL
+)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -87,6 +93,22 @@ def remove_entry(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)  # never follows links inside (fd-based on Linux)
     else:
         path.unlink(missing_ok=True)
+
+
+def remove_unread(path: Path) -> bool:
+    """``remove_entry``, unless a reader holds the directory ``path`` (a shared ``flock``,
+    taken by ``pinned``: a load in progress): then it stays, under its temporary name, for
+    a later save's ``clean_stale``. Returns whether it was removed."""
+    with _open_dir(path) as fd:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            except OSError:
+                pass  # a file system without locks: readers retry instead (``pinned``)
+        remove_entry(path)
+    return True
 
 
 @contextlib.contextmanager
@@ -214,7 +236,7 @@ def replace(tmp: Path, path: Path) -> None:
             if not _ours(tmp):  # tmp now names what was at path: it changed since the check
                 _exchange(tmp, path)
                 check_target(path)
-            remove_entry(tmp)
+            remove_unread(tmp)  # the old checkpoint: kept while a load reads it
         else:
             aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=temp_prefix(path, "old")))
             os.rename(path, aside / "ckpt")
@@ -287,7 +309,7 @@ def clean_stale(directory: Path) -> list[str]:
         # a finished tmp is newer than an old copy put aside for the same target: handle it first
         entries.sort(key=lambda e: ".tmp-gt." not in e.name)
         for entry in entries:
-            match = _TEMP.match(entry.name)
+            match = _TEMP.fullmatch(entry.name)
             if match is None or not _stale(match, entry):
                 continue
             if _restore(entry, match["kind"], match["target"], directory, dir_fd):
@@ -296,8 +318,8 @@ def clean_stale(directory: Path) -> list[str]:
                     directory / match["target"],
                     entry.name,
                 )
-            remove_entry(directory / entry.name)
-            handled.append(entry.name)
+            if remove_unread(directory / entry.name):
+                handled.append(entry.name)
     if handled:
         fsync_dir(directory)
     return handled
@@ -324,10 +346,17 @@ def atomic_file(path: Path, put: Callable[[Path, Path], None] = replace) -> Iter
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save`` through ``atomic_file``, sealed with its CRC-32 (``integrity``)."""
     check_target(path)
-    with atomic_file(path) as f:
-        sealing = integrity.SealingWriter(f)
-        torch.save(obj, sealing)
-        sealing.seal()
+    sealing = None
+    try:
+        with atomic_file(path) as f:
+            sealing = integrity.SealingWriter(f)
+            torch.save(obj, sealing)
+            sealing.seal()
+    except (OSError, RuntimeError) as err:
+        full = disk_full(getattr(sealing, "error", None) or err, path, "save_checkpoint")
+        if full is None:
+            raise
+        raise full from err
 
 
 def write_marker(directory: Path, text: str) -> None:
@@ -353,22 +382,3 @@ def safe_torch_load(source: str | os.PathLike | io.BytesIO, what: str) -> Any:
             f"refusing to load {what}: it holds objects other than tensors and plain Python "
             f"values, which could run code when unpickled; nothing was executed. {reason}".strip()
         ) from None
-
-
-def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directly under ``directory`` (see ``latest_checkpoint``)."""
-    directory = Path(directory)
-    found = []
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    for entry in entries:
-        if entry.name.startswith("."):
-            continue  # temporaries and hidden files
-        path = Path(entry.path)
-        if is_complete_dir(path):
-            found.append((os.lstat(path / MARKER).st_mtime_ns, entry.name, path))
-        elif is_dense_file(path):
-            found.append((os.lstat(path).st_mtime_ns, entry.name, path))
-    return max(found)[2] if found else None

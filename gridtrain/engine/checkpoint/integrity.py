@@ -39,10 +39,15 @@ class SealingWriter:
         self.crc = 0
         self.pending = b""  # the last two bytes so far, not yet in the CRC
         self.last = b""  # the last EOCD_LEN bytes so far
+        self.error: OSError | None = None  # torch reports a failed write as "unexpected pos"
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.f.write(view)
+        try:
+            self.f.write(view)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         if len(view) >= 2:
             self.crc = zlib.crc32(view[:-2], zlib.crc32(self.pending, self.crc))
             self.pending = bytes(view[-2:])
@@ -54,7 +59,11 @@ class SealingWriter:
         return len(view)
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def seal(self) -> None:
         """Give the finished zip its comment: the CRC-32 of every byte before the comment."""
@@ -82,8 +91,8 @@ def dense_seal(path: Path) -> str:
     """'sealed', 'legacy' (a zip without a comment: gridtrain's files before the seal) or
     'none'. Reads only the end of the file."""
     try:
-        size = os.lstat(path).st_size
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             f.seek(max(0, size - SEAL_LEN - EOCD_LEN))
             tail = f.read()
     except OSError:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +34,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from gridtrain.engine.checkpoint import files, integrity
+from gridtrain.engine.checkpoint import files, integrity, pinned
 from gridtrain.engine.checkpoint.dcp_metadata import load_metadata
-from gridtrain.engine.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from gridtrain.engine.checkpoint.errors import FULL, CheckpointError, CorruptCheckpointError
 from gridtrain.engine.checkpoint.state import (
     chunk_view,
     hyperparameters,
@@ -63,13 +65,18 @@ MODEL, OPTIM, GROUPS = "model/", "optim/state/", "optim/param_groups"
 
 # ---- DCP with nothing unpickled but plain values ----------------------------------------------
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's reader, but ``.metadata`` is read as data (``dcp_metadata``)."""
+    """DCP's reader, but ``.metadata`` is read as data (``dcp_metadata``); ``where`` names the
+    checkpoint in messages (``path`` may be a pinned descriptor's)."""
+
+    def __init__(self, path: Path, where: Path):
+        super().__init__(path)
+        self.where = where
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:
-            metadata = load_metadata(f, f"'{self.path}'")
+            metadata = load_metadata(f, f"'{self.where}'")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp.metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -91,10 +98,11 @@ class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
 def first_failure(err: CheckpointException) -> BaseException:
     """DCP gathers every rank's exception into one; hand on the one that says what went wrong
-    (the same on every rank), an unsafe file first."""
+    (the same on every rank): an unsafe file first, then a full disk."""
     failures = [exc for exc, _ in err.failures.values()]
     unsafe = [exc for exc in failures if isinstance(exc, files.UnsafeCheckpointError)]
-    return (unsafe or failures or [err])[0]
+    full = [exc for exc in failures if isinstance(exc, OSError) and exc.errno in FULL]
+    return (unsafe or full or failures or [err])[0]
 
 
 # ---- what a rank writes ----------------------------------------------------------------------
@@ -133,37 +141,44 @@ def state_dict(model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> d
 
 
 # ---- loading -----------------------------------------------------------------------------------
-def read_marker(path: Path) -> dict[str, Any]:
-    """The completion marker's dict (its own CRC-32 checked), or a ``CheckpointError``."""
-    if not files.is_complete_dir(path):
+def read_marker(path: Path, where: Path | None = None) -> dict[str, Any]:
+    """The completion marker's dict (its own CRC-32 checked), or a ``CheckpointError``.
+    ``where``: the name for messages when ``path`` is a pinned descriptor's."""
+    where = where or path
+    try:  # O_NOFOLLOW: a link in the marker's place is no marker
+        fd = os.open(path / files.MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
         raise CorruptCheckpointError(
-            f"load_checkpoint: '{path}' is not a complete gridtrain checkpoint "
+            f"load_checkpoint: '{where}' is not a complete gridtrain checkpoint "
             f"(no {files.MARKER}: an interrupted save, or not written by gridtrain)"
         )
-    fd = os.open(path / files.MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     with os.fdopen(fd, "rb") as f:
-        marker = integrity.parse_marker(f.read(1 << 26), f"load_checkpoint: '{path}'")
+        marker = integrity.parse_marker(f.read(1 << 26), f"load_checkpoint: '{where}'")
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(
-            f"load_checkpoint: '{path}' has format {str(marker.get('format'))[:40]!r} "
+            f"load_checkpoint: '{where}' has format {str(marker.get('format'))[:40]!r} "
             f"version {str(marker.get('version'))[:40]!r}; expected {FORMAT!r} {VERSION}"
         )
     if not isinstance(marker.get("epoch"), int) or "layout" not in marker:
-        raise CorruptCheckpointError(f"load_checkpoint: '{path}': its marker lacks the epoch")
+        raise CorruptCheckpointError(f"load_checkpoint: '{where}': its marker lacks the epoch")
     return marker
 
 
-def verify_files(path: Path, marker: dict[str, Any], ctx: ParallelContext) -> None:
+def verify_files(path: Path, marker: dict[str, Any], ctx: ParallelContext, where: Path) -> None:
     """Collective: every file the marker lists has its size and CRC-32 (each rank reads a
     share of them); markers written before the CRCs list none."""
     listed = marker.get("files")
     if listed is None:
         return
     if not integrity.well_formed(listed):
-        raise CorruptCheckpointError(f"load_checkpoint: '{path}': its file list is damaged")
+        raise CorruptCheckpointError(f"load_checkpoint: '{where}': its file list is damaged")
     n = ctx.world_size(ParallelMode.GLOBAL)
     share = sorted(listed)[ctx.global_rank :: n]
-    problem = integrity.check_files(path, listed, share, f"load_checkpoint: '{path}'")
+    problem = integrity.check_files(path, listed, share, f"load_checkpoint: '{where}'")
     found = [p for p in comm.all_gather_object(problem, ctx.group(ParallelMode.GLOBAL)) if p]
     if found:
         raise CorruptCheckpointError(found[0])
@@ -246,11 +261,29 @@ def _model_targets(path: Path, model, optimizer, md, ctx: ParallelContext) -> di
 
 
 def load(path: Path, model, optimizer, lr_scheduler, extra, ctx: ParallelContext) -> int:
-    """Collective: read this rank's chunks of every tensor it holds from the directory ``path``."""
-    marker = read_marker(path)
-    verify_files(path, marker, ctx)
-    reader = _SafeReader(path)
-    md = reader.read_metadata().state_dict_metadata
+    """Collective: read this rank's chunks of every tensor it holds from the directory ``path``
+    (one version of it, ``pinned``, whatever saves replace it meanwhile)."""
+    return pinned.load(
+        path, ctx, lambda root: _load(root, path, model, optimizer, lr_scheduler, extra, ctx)
+    )
+
+
+def _agreed(read: Callable[[], Any], ctx: ParallelContext) -> Any:
+    """``read()`` (a local read of the checkpoint), its failure raised on every rank."""
+    error, out = None, None
+    try:
+        out = read()
+    except (CheckpointError, OSError) as err:
+        error = err
+    pinned.agree(error, ctx)
+    return out
+
+
+def _load(root: Path, path: Path, model, optimizer, lr_scheduler, extra, ctx) -> int:
+    marker = _agreed(lambda: read_marker(root, path), ctx)
+    verify_files(root, marker, ctx, path)  # every byte checked before DCP reads any
+    reader = _SafeReader(root, path)
+    md = _agreed(lambda: reader.read_metadata().state_dict_metadata, ctx)
     targets = _model_targets(path, model, optimizer, md, ctx)
     plain = ["extra"] if extra is not None else []
     opt_targets, opt_entries = {}, None

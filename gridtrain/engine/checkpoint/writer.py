@@ -11,6 +11,7 @@ finishing step runs there; a :class:`CheckpointFuture` reports the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from gridtrain.engine.checkpoint import files, integrity
-from gridtrain.engine.checkpoint.errors import CheckpointError
+from gridtrain.engine.checkpoint.errors import CheckpointError, disk_full
 from gridtrain.engine.checkpoint.sharded import FORMAT, VERSION, first_failure
 from gridtrain.engine.checkpoint.state import layout
 from gridtrain.launch import register_teardown
@@ -170,15 +172,79 @@ def _finish(tmp: Path, path: Path, epoch: int, ctx: ParallelContext, group, save
             else:
                 files.remove_entry(tmp)
         except Exception as err:  # noqa: BLE001 - every rank must learn of it, not hang
-            error = err
+            error = disk_full(err, path, "save_checkpoint") or err
             files.remove_entry(tmp)
     if _agree(error is not None, group, device):
         raise error or RuntimeError(f"save_checkpoint: rank 0 failed to finish '{path}'")
     return path
 
 
-def _writer(tmp: Path) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+class _Stream:
+    """A file DCP writes into that keeps the first ``OSError`` of a write (torch's zip writer,
+    which DCP's tensors go through, reports a failed write only as ``unexpected pos``)."""
+
+    def __init__(self, stream, errors: list[OSError]):
+        self._stream, self._errors = stream, errors
+
+    def _keep(self, fn, *args):
+        try:
+            return fn(*args)
+        except OSError as err:
+            self._errors.append(err)
+            raise
+
+    def write(self, data):
+        return self._keep(self._stream.write, data)
+
+    def flush(self):
+        return self._keep(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class _FileSystem(FileSystem):
+    def __init__(self):
+        super().__init__()
+        self.errors: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            yield _Stream(stream, self.errors) if "w" in mode else stream
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer; a disk that fills up is an ``OSError`` saying so and naming the
+    target (``errors.disk_full``), on every rank, rather than torch's ``unexpected pos``."""
+
+    def __init__(self, tmp: Path, target: Path):
+        super().__init__(tmp, single_file_per_rank=True, sync_files=True)
+        self.fs = _FileSystem()
+        self.target = target
+
+    def _full(self, err: BaseException) -> BaseException:
+        for cause in [*self.fs.errors, err]:
+            full = disk_full(cause, self.target, "save_checkpoint")
+            if full is not None:
+                return full
+        return err
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            raise self._full(err) from err
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as err:
+            raise self._full(err) from err
+
+
+def _writer(tmp: Path, target: Path) -> dcp.FileSystemWriter:
+    return _Writer(tmp, target)
 
 
 def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: bool):
@@ -187,7 +253,7 @@ def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: 
     tmp = _prepare(path, ctx)
     if not async_save:
         try:
-            dcp.save(state, storage_writer=_writer(tmp), planner=_save_planner())
+            dcp.save(state, storage_writer=_writer(tmp, path), planner=_save_planner())
         except BaseException as err:
             if ctx.global_rank == 0:
                 files.remove_entry(tmp)
@@ -201,7 +267,7 @@ def save(path: Path, epoch: int, state: dict, ctx: ParallelContext, async_save: 
     stager = DefaultStager(StagingOptions(ctx.device.type == "cuda", False, False, False))
     upload = dcp.async_save(
         state,
-        storage_writer=_writer(tmp),
+        storage_writer=_writer(tmp, path),
         planner=_save_planner(),
         process_group=group,
         async_stager=stager,
