@@ -35,6 +35,8 @@ STYLES = {
     "classes; pair with gt.nn.CrossEntropyLoss",
     "gather_output": "output Linear (LM head, classifier): full logits on every rank "
     "(2d/2.5d/3d: the mode's Classifier)",
+    "heads": "nn.MultiheadAttention: the packed in_proj cut into each rank's q, k and v heads, "
+    "out_proj row-parallel (sequence: ring attention over the split positions)",
     "norm": "LayerNorm / RMSNorm over the last dim, in the mode's layout",
     "auto": "the mode's own layer (2d/2.5d/3d: every Linear is a SUMMA / cube Linear)",
     "replicate": "leave the module as it is (every rank holds it whole)",

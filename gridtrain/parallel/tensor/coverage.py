@@ -22,8 +22,9 @@ def count_sharded(plan: Plan, model: nn.Module) -> None:
     """Set ``plan.params`` (dense parameters, a tied weight once) and ``plan.params_sharded``
     (those the plan splits, or that an already-parallel layer holds in shards)."""
     owner: dict[int, tuple[str, str]] = {}
-    for name in plan.entries:
-        for pname, p in model.get_submodule(name).named_parameters(recurse=False):
+    for name, entry in plan.entries.items():
+        mine = model.get_submodule(name).named_parameters(recurse=entry.kind != OPAQUE)
+        for pname, p in mine:  # a replaced layer's children (out_proj) are its own
             owner.setdefault(id(p), (name, pname))
     total = sharded = 0
     for p in model.parameters():  # each tied weight once

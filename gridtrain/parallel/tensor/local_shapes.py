@@ -33,7 +33,15 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.entry_input import infer_example
-from gridtrain.parallel.tensor.plan import DROPOUT, LINEAR, NORM, OPAQUE, Plan, PlanError
+from gridtrain.parallel.tensor.plan import (
+    ATTENTION,
+    DROPOUT,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    Plan,
+    PlanError,
+)
 from gridtrain.parallel.tensor.registry import mode_spec, split_batch
 from gridtrain.parallel.tensor.sequence import SequenceAttentionError
 from gridtrain.parallel.tensor.spec import TensorMode
@@ -59,7 +67,7 @@ def check_local_shapes(
     forward context, when an attention call is one that context refuses."""
     spec = mode_spec(plan.mode)
     if spec.forward_mode is not None:
-        check_routed_attention(model, example, spec, ctx)
+        check_routed_attention(model, example, spec, ctx, attention_stand_ins(model, plan, ctx))
     if spec.splits_output is None or flow is None:
         return
     split, what = spec.head_split(plan.size, ctx.config.parallel.tensor.depth)
@@ -68,7 +76,9 @@ def check_local_shapes(
         return
     recorder = AttentionRecorder(model)
     try:
-        run_on_meta(model, local, _stand_ins(model, plan, spec, split), (recorder,))
+        run_on_meta(model, local, _stand_ins(model, plan, spec, split, ctx), (recorder,))
+    except PlanError:  # a layer's own refusal (an MHA argument it does not compute)
+        raise
     except Exception as err:  # noqa: BLE001 - the model's own error, explained
         raise _heads_error(flow.attention, split, what) or PlanError(
             f"tensor mode {plan.mode!r}: {type(model).__name__}'s forward fails on this rank's "
@@ -88,7 +98,11 @@ def check_local_shapes(
 
 
 def check_routed_attention(
-    model: nn.Module, example: Any, spec: TensorMode, ctx: ParallelContext
+    model: nn.Module,
+    example: Any,
+    spec: TensorMode,
+    ctx: ParallelContext,
+    forwards: dict[str, Callable] | None = None,
 ) -> None:
     """Run ``model`` on meta on this rank's shapes under ``spec.forward_mode`` (sequence: SDPA
     as ring attention) and raise ``PlanError`` naming the module whose attention call the
@@ -104,7 +118,9 @@ def check_routed_attention(
         return
     recorder = AttentionRecorder(model)  # entered last, so it sees each call first
     try:
-        run_on_meta(model, local, modes=(spec.forward_mode(ctx), recorder))
+        run_on_meta(model, local, forwards, modes=(spec.forward_mode(ctx), recorder))
+    except PlanError:  # a layer's own refusal (an MHA argument ring attention lacks)
+        raise
     except SequenceAttentionError as err:
         sdpa = err.function == "scaled_dot_product_attention" and recorder.calls
         where = (recorder.calls[-1].module if sdpa else _attention_module(model)) or type(
@@ -154,10 +170,14 @@ def _local_example(example: Any, ctx: ParallelContext) -> Any:
         return None
 
 
-def _stand_ins(model: nn.Module, plan: Plan, spec: TensorMode, split: int) -> dict[str, Callable]:
+def _stand_ins(
+    model: nn.Module, plan: Plan, spec: TensorMode, split: int, ctx: ParallelContext
+) -> dict[str, Callable]:
     """Module path -> shape-only forward, for every layer the plan replaces (or keeps opaque)."""
-    out: dict[str, Callable] = {}
+    out: dict[str, Callable] = attention_stand_ins(model, plan, ctx)
     for name, entry in plan.entries.items():
+        if name in out:
+            continue
         if entry.kind == OPAQUE or (entry.layer and entry.kind in (NORM, DROPOUT)):
             out[name] = first_input_shape
         elif entry.layer:  # a Linear, an embedding or a patch embedding
@@ -188,5 +208,30 @@ def _resized(module: nn.Module, kind: str, width: int) -> Callable:
             x = x.new_empty(*x.shape[:-1], in_features)
         y = dense_forward(module, x, *args, **kwargs)
         return y.new_empty(*y.shape[:-1], width)
+
+    return forward
+
+
+def attention_stand_ins(model: nn.Module, plan: Plan, ctx: ParallelContext) -> dict[str, Callable]:
+    """The mode's MHA layer of every replaced ``nn.MultiheadAttention``, built on meta: its
+    forward checks the call as the real one does and returns this rank's shapes; a refusal
+    names the module."""
+    from gridtrain.parallel.tensor.parallelize import meta_twin  # which imports this module
+
+    spec, out = mode_spec(plan.mode), {}
+    for name, entry in plan.entries.items():
+        if entry.kind != ATTENTION or not entry.layer:
+            continue
+        factory, options = spec.layer_for(name, entry.kind, entry.style, entry.options)
+        out[name] = _named(name, factory(meta_twin(model.get_submodule(name)), ctx, **options))
+    return out
+
+
+def _named(name: str, layer: nn.Module) -> Callable:
+    def forward(*args, **kwargs):
+        try:
+            return layer(*args, **kwargs)
+        except PlanError as err:
+            raise PlanError(f"'{name}': {err}") from None
 
     return forward

@@ -220,11 +220,11 @@ def _dry_run(
         except (ValueError, TypeError) as err:
             raise PlanError(f"'{name}' as {entry.style}: {err}") from None
         entry.layer = type(layer).__name__
-        dense = dict(modules[name].named_parameters(recurse=False))
-        for pname, p in layer.named_parameters(recurse=False):
+        dense = dict(modules[name].named_parameters())  # a layer's own children too (out_proj)
+        for pname, p in layer.named_parameters():
             if pname in dense:
                 entry.shards[pname] = (tuple(dense[pname].shape), tuple(p.shape))
-        entry.specs = {n: get_shard_spec(p) for n, p in layer.named_parameters(recurse=False)}
+        entry.specs = {n: get_shard_spec(p) for n, p in layer.named_parameters()}
 
 
 def _resolve_ties(plan: Plan, modules, ctx: ParallelContext, spec: TensorMode) -> None:
@@ -275,13 +275,13 @@ def apply_plan(
         if factory is None:
             continue
         dense = model.get_submodule(name)
-        old = dict(dense.named_parameters(recurse=False))
+        old = dict(dense.named_parameters())  # a layer's own children too (out_proj)
         layer = factory(dense, ctx, **options)
         for pname, p in old.items():
             if id(p) in new_of:
                 layer.tie(pname, new_of[id(p)])
-            elif getattr(layer, pname, None) is not None:
-                new_of[id(p)] = getattr(layer, pname)
+            elif _param(layer, pname) is not None:
+                new_of[id(p)] = _param(layer, pname)
         model.set_submodule(name, layer)
         if isinstance(layer, ShardedModule):
             built.append(layer)
@@ -291,3 +291,12 @@ def apply_plan(
         adapter.after_apply(model, plan, ctx)
     logger.info("tensor plan applied: %d layers replaced", len(built))
     return new_of
+
+
+def _param(layer: nn.Module, name: str) -> nn.Parameter | None:
+    """``layer``'s parameter at the dotted path ``name`` (None where there is none)."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        return getattr(layer.get_submodule(owner), leaf, None)
+    except AttributeError:
+        return None

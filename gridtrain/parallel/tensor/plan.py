@@ -27,13 +27,14 @@ from gridtrain.parallel.tensor.norm import norm_kind
 from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF
 from gridtrain.parallel.tensor.trace import OPAQUE as OPAQUE_HOW
 
-LINEAR, EMBEDDING, NORM, DROPOUT, PATCH, OPAQUE = (
+LINEAR, EMBEDDING, NORM, DROPOUT, PATCH, OPAQUE, ATTENTION = (
     "linear",
     "embedding",
     "norm",
     "dropout",
     "patch",
     "opaque",
+    "attention",  # nn.MultiheadAttention: its packed in_proj and out_proj as one layer
 )
 COL_SHARDED = ("colwise", "packed_colwise")  # output left sharded for a row-parallel reader
 ROW = ("rowwise",)
@@ -55,6 +56,7 @@ KIND_STYLES = {
     DROPOUT: ("replicate",),
     PATCH: ("colwise", "replicate"),
     OPAQUE: ("replicate",),
+    ATTENTION: ("heads", "replicate"),
 }
 
 
@@ -68,6 +70,8 @@ def kind_of(module: nn.Module) -> str | None:
         get_shard_spec(p) for p in module.parameters(recurse=False)
     ):
         return OPAQUE  # already parallel (a gridtrain layer, or sharded by hand with tags)
+    if isinstance(module, nn.MultiheadAttention):
+        return ATTENTION
     if isinstance(module, nn.Linear) or is_conv1d(module):
         return LINEAR
     if isinstance(module, nn.Embedding):
@@ -88,6 +92,7 @@ TRACE_HOW = {
     OPAQUE: OPAQUE_HOW,
     NORM: PASS,
     DROPOUT: PASS,
+    ATTENTION: PASS,  # its in_proj and out_proj: layout (and 3d orientation) in = out
 }
 
 
@@ -102,7 +107,7 @@ def tracked_modules(model: nn.Module) -> dict[str, str]:
         if kind is None or not name:
             continue
         out[name] = kind
-        if kind in (OPAQUE, PATCH) or isinstance(module, nn.MultiheadAttention):
+        if kind in (OPAQUE, PATCH, ATTENTION):
             skip.append(name)
     return out
 

@@ -12,7 +12,16 @@ from gridtrain.parallel.tensor.mode_1d.embedding import (
 )
 from gridtrain.parallel.tensor.mode_1d.linear import PM1D, ColumnLinear, RowLinear
 from gridtrain.parallel.tensor.mode_1d.loss import CrossEntropyLoss, accuracy, split_batch
-from gridtrain.parallel.tensor.plan import COL_SHARDED, DROPOUT, EMBEDDING, LINEAR, NORM, PATCH
+from gridtrain.parallel.tensor.mode_1d.mha import MultiheadAttention1D
+from gridtrain.parallel.tensor.plan import (
+    ATTENTION,
+    COL_SHARDED,
+    DROPOUT,
+    EMBEDDING,
+    LINEAR,
+    NORM,
+    PATCH,
+)
 from gridtrain.parallel.tensor.spec import TensorMode, one_group
 
 LAYERS = {
@@ -28,6 +37,7 @@ LAYERS = {
     (EMBEDDING, "colwise"): (Embedding1D, {}),
     (PATCH, "colwise"): (PatchEmbedding1D, {}),
     (DROPOUT, "replicate"): (dropout_factory(PM1D, PM1D), {}),
+    (ATTENTION, "heads"): (MultiheadAttention1D, {}),
 }
 
 
@@ -64,6 +74,7 @@ __all__ = [
     "ColumnLinear",
     "CrossEntropyLoss",
     "Embedding1D",
+    "MultiheadAttention1D",
     "PatchEmbedding1D",
     "RowLinear",
     "VocabParallelEmbedding1D",

@@ -14,6 +14,7 @@ from torch import nn
 
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.plan import (
+    ATTENTION,
     COL_SHARDED,
     DROPOUT,
     EMBEDDING,
@@ -146,7 +147,7 @@ class _Inference:
             if module.num_embeddings % self.n == 0:
                 return "embedding_rowwise"
             return "embedding_colwise" if module.embedding_dim % self.n == 0 else "replicate"
-        return "colwise" if kind == PATCH else "replicate"
+        return {PATCH: "colwise", ATTENTION: "heads"}.get(kind, "replicate")
 
 
 def check_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> None:
