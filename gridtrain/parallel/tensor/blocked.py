@@ -17,6 +17,7 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.coverage import better_layout
 from gridtrain.parallel.tensor.dropout import dropout_factory
 from gridtrain.parallel.tensor.plan import (
+    ATTENTION,
     DROPOUT,
     EMBEDDING,
     LINEAR,
@@ -34,7 +35,13 @@ KEPT_GIVEN = ("gather_output", "colwise_gather_output", "vocab_parallel", "packe
 GATHERED = ("gather_output", "colwise_gather_output")  # heads whose logits come out whole
 TIE_ALTERNATIVES = ("gather_output", "vocab_parallel")
 _INNER = ("auto", "colwise", "rowwise", "packed_colwise", "rowwise_split_input")  # -> Linear
-_DEFAULTS = {EMBEDDING: "embedding_colwise", NORM: "norm", PATCH: "colwise", DROPOUT: "replicate"}
+_DEFAULTS = {
+    EMBEDDING: "embedding_colwise",
+    NORM: "norm",
+    PATCH: "colwise",
+    DROPOUT: "replicate",
+    ATTENTION: "heads",
+}
 
 
 def layer_table(*modules: ModuleType) -> LayerTable:
@@ -55,6 +62,7 @@ def layer_table(*modules: ModuleType) -> LayerTable:
     table[(NORM, "norm")] = (cls("Norm"), {})
     table[(PATCH, "colwise")] = (cls("PatchEmbedding"), {})
     table[(DROPOUT, "replicate")] = (dropout_factory(ParallelMode.TENSOR), {})
+    table[(ATTENTION, "heads")] = (cls("MultiheadAttention"), {})
     return table
 
 

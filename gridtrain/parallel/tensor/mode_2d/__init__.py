@@ -15,7 +15,7 @@ import dataclasses
 import functools
 
 from gridtrain.parallel.tensor import blocked
-from gridtrain.parallel.tensor.mode_2d import layers, vocab
+from gridtrain.parallel.tensor.mode_2d import layers, mha, vocab
 from gridtrain.parallel.tensor.mode_2d.grid import SummaGrid, grid_groups, grid_side
 from gridtrain.parallel.tensor.mode_2d.layers import (
     Classifier,
@@ -25,6 +25,7 @@ from gridtrain.parallel.tensor.mode_2d.layers import (
     PatchEmbedding,
 )
 from gridtrain.parallel.tensor.mode_2d.loss import CrossEntropyLoss, accuracy, split_batch
+from gridtrain.parallel.tensor.mode_2d.mha import MultiheadAttention
 from gridtrain.parallel.tensor.mode_2d.vocab import VocabParallelClassifier, VocabParallelEmbedding
 
 
@@ -38,7 +39,7 @@ MODE_2D = blocked.blocked_mode(
     split_batch,
     CrossEntropyLoss,
     accuracy,
-    layers=blocked.layer_table(layers, vocab),
+    layers=blocked.layer_table(layers, vocab, mha),
     head_split=_head_split,
     groups=functools.partial(grid_groups, "2d"),
 )
@@ -51,6 +52,7 @@ __all__ = [
     "CrossEntropyLoss",
     "Embedding",
     "Linear",
+    "MultiheadAttention",
     "Norm",
     "PatchEmbedding",
     "SummaGrid",

@@ -5,7 +5,7 @@
 batch split (``cube.py``) and loss (``loss.py``)."""
 
 from gridtrain.parallel.tensor import blocked
-from gridtrain.parallel.tensor.mode_3d import layers
+from gridtrain.parallel.tensor.mode_3d import layers, mha
 from gridtrain.parallel.tensor.mode_3d.cube import (
     Cube,
     cube_groups,
@@ -23,6 +23,7 @@ from gridtrain.parallel.tensor.mode_3d.layers import (
     VocabParallelEmbedding,
 )
 from gridtrain.parallel.tensor.mode_3d.loss import CrossEntropyLoss, accuracy
+from gridtrain.parallel.tensor.mode_3d.mha import MultiheadAttention
 from gridtrain.parallel.tensor.mode_3d.orientations import orientation_options
 
 
@@ -36,7 +37,7 @@ MODE = blocked.blocked_mode(
     split_batch,
     CrossEntropyLoss,
     accuracy,
-    layers=blocked.layer_table(layers),
+    layers=blocked.layer_table(layers, mha),
     groups=cube_groups,
     head_split=_head_split,
     entry_options=orientation_options,
@@ -49,6 +50,7 @@ __all__ = [
     "Cube",
     "Embedding",
     "Linear",
+    "MultiheadAttention",
     "Norm",
     "PatchEmbedding",
     "VocabParallelClassifier",
