@@ -6,7 +6,15 @@ plan only gives each dropout its per-rank stream; ``layout.py`` splits the batch
 ``scaled_dot_product_attention`` as ring attention."""
 
 from gridtrain.parallel.tensor.dropout import dropout_factory
-from gridtrain.parallel.tensor.plan import DROPOUT, EMBEDDING, LINEAR, NORM, OPAQUE, PATCH
+from gridtrain.parallel.tensor.plan import (
+    ATTENTION,
+    DROPOUT,
+    EMBEDDING,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    PATCH,
+)
 from gridtrain.parallel.tensor.sequence.attention import VARIANTS, ring_attention
 from gridtrain.parallel.tensor.sequence.layout import (
     SEQUENCE,
@@ -17,6 +25,7 @@ from gridtrain.parallel.tensor.sequence.layout import (
     split_batch,
 )
 from gridtrain.parallel.tensor.sequence.loss import CrossEntropyLoss, accuracy
+from gridtrain.parallel.tensor.sequence.mha import SequenceMultiheadAttention
 from gridtrain.parallel.tensor.sequence.sdpa import (
     SequenceAttention,
     SequenceAttentionError,
@@ -27,8 +36,10 @@ from gridtrain.parallel.tensor.spec import TensorMode, one_group
 
 
 def _replicated(kinds, given, flow, modules, n):
-    """Weights are replicated; only dropout masks differ per rank (module docstring)."""
-    return {m: "replicate" for m in kinds}, {m: "sequence: replicated" for m in kinds}
+    """Weights are replicated; only dropout masks differ per rank (module docstring), and
+    ``nn.MultiheadAttention`` attends over the split positions (``mha.py``)."""
+    styles = {m: "heads" if k == ATTENTION else "replicate" for m, k in kinds.items()}
+    return styles, {m: "sequence: replicated" for m in kinds}
 
 
 MODE = TensorMode(
@@ -37,7 +48,10 @@ MODE = TensorMode(
     CrossEntropyLoss,
     accuracy,
     groups=one_group(SEQUENCE),
-    layers={(DROPOUT, "replicate"): (dropout_factory(SEQUENCE), {})},
+    layers={
+        (DROPOUT, "replicate"): (dropout_factory(SEQUENCE), {}),
+        (ATTENTION, "heads"): (SequenceMultiheadAttention, {}),
+    },
     kept=frozenset({LINEAR, EMBEDDING, NORM, PATCH, OPAQUE}),
     infer_styles=_replicated,
     tie_alternatives=("replicate",),
@@ -51,6 +65,7 @@ __all__ = [
     "CrossEntropyLoss",
     "SequenceAttention",
     "SequenceAttentionError",
+    "SequenceMultiheadAttention",
     "accuracy",
     "attention_route",
     "is_sequence_sharded",
