@@ -40,7 +40,6 @@ class Limits:
     unbatched: bool = False  # 2-D query/key/value (no batch dim)
     extra_keys: bool = True  # add_bias_kv / add_zero_attn
     attn_mask: bool = True  # any attn_mask (else: only with is_causal=True, which ignores it)
-    float_padding: bool = True  # a float key_padding_mask (else boolean only)
 
 
 def read_call(
@@ -73,12 +72,6 @@ def read_call(
             "ring attention applies causal masking and key padding only; pass is_causal=True "
             "with a causal mask, a key_padding_mask for padding, or use another tensor mode"
         )
-    if key_padding_mask is not None and key_padding_mask.is_floating_point():
-        if not limits.float_padding:
-            raise PlanError(
-                f"{where}: a float key_padding_mask; ring attention takes a boolean one "
-                "(True = padding)"
-            )
     batched = query.dim() == 3
     if not batched:
         if query.dim() != 2 or not limits.unbatched:

@@ -207,7 +207,7 @@ class ShardedMultiheadAttention(ShardedModule):
         pad = call.key_padding_mask
         if pad is not None:
             whole = (q.shape[0], k.shape[2] * self.rows.parts)
-            pad = whole_mask(pad, whole, self.mask_rows, "key_padding_mask")
+            pad = boolean_padding(whole_mask(pad, whole, self.mask_rows, "key_padding_mask"))
             pad = self.rows.cut(pad, 1)
         return ring_attention(q, k, v, call.is_causal, pad, p, ctx=self.ctx)
 
@@ -282,6 +282,20 @@ class ShardedMultiheadAttention(ShardedModule):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads} ({self.local_heads} here), "
             f"batch_first={self.batch_first}"
         )
+
+
+def boolean_padding(pad: Tensor) -> Tensor:
+    """A key padding mask as booleans (True = padding), for ring attention: a float one must
+    hold only 0 and -inf (``nn.TransformerEncoderLayer`` turns a boolean one into that)."""
+    if not pad.is_floating_point():
+        return pad.bool()
+    masked = pad == float("-inf")
+    if not pad.is_meta and not bool(((pad == 0) | masked).all()):
+        raise PlanError(
+            "key_padding_mask: a float mask with values other than 0 and -inf; ring attention "
+            "(tensor mode 'sequence') takes padding only (True / -inf = padding)"
+        )
+    return masked
 
 
 def no_fast_path() -> None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from gridtrain.parallel.tensor.mha import Limits, Rows, ShardedMultiheadAttention
 from gridtrain.parallel.tensor.sequence.layout import SEQUENCE, splits_sequence
 
-RING = Limits("sequence", extra_keys=False, attn_mask=False, float_padding=False)
+RING = Limits("sequence", extra_keys=False, attn_mask=False)
 LOCAL = Limits("sequence")
 
 
