@@ -11,7 +11,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GRIDTRAIN = [sys.executable, "-m", "gridtrain.cli"]
+# dropout: the restarted run must also draw the masks the uninterrupted one drew
 ARGS = "--steps 6 --batch-size 8 --seq-len 32 --eval-batches 1 --sample-tokens 2 --warmup 2"
+ARGS += " --dropout 0.2"
 
 
 def _run(tmp: Path, name: str, extra: list[str], launcher: list[str]) -> str:
