@@ -92,7 +92,9 @@ def shard_model(
 
     With ``chunked_loss`` the model's heads then return deferred logits (``chunked_loss.py``).
     """
+    experts = _spread_experts(model, optimizer, ctx, adapter)
     plan = build_plan(model, ctx, example, adapter)
+    plan.experts = experts
     heads: dict = {}
     if ctx.tensor_mode is not None:
         heads = plan.heads
@@ -114,6 +116,17 @@ def shard_model(
                 chunked.recompute,
             )
     return plan
+
+
+def _spread_experts(model: nn.Module, optimizer, ctx: ParallelContext, adapter):
+    """The adapter's experts spread over EXPERT (a library's MoE models, e.g. ``gridtrain.hf.moe``),
+    before the tensor plan, which then keeps them whole; their printable layout, or None."""
+    spread = getattr(adapter, "parallelize_experts", None)
+    if spread is None:
+        return None
+    new_of, layout = spread(model, ctx)
+    rebind_optimizer(optimizer, new_of, ctx=ctx)
+    return layout
 
 
 def initialize(

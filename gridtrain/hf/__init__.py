@@ -31,6 +31,7 @@ from typing import Any
 from torch import nn
 
 from gridtrain.hf.load import PretrainedMismatchError, load_pretrained
+from gridtrain.hf.moe import parallelize_experts  # the adapter's expert step (hf/moe/)
 from gridtrain.hf.pipeline import pipeline_layers
 from gridtrain.hf.save import save_pretrained
 from gridtrain.parallel.context import ParallelContext
@@ -39,6 +40,7 @@ __all__ = [
     "PretrainedMismatchError",
     "after_apply",
     "load_pretrained",
+    "parallelize_experts",
     "pipeline_layers",
     "plan_model",
     "save_pretrained",

@@ -22,13 +22,28 @@ the host: all ``k x T`` choices run, sorted by expert, dropped ones with a zero 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.moe.experts import Experts, compute_dtype
+from gridtrain.parallel.moe.experts import compute_dtype
 from gridtrain.parallel.moe.router import Assignment
+
+
+class GroupedExperts(Protocol):
+    """What the dispatch runs rows through: this rank's experts (``Experts``, or a Hugging Face
+    model's fused experts, ``gridtrain.hf.moe``)."""
+
+    num_local_experts: int
+
+    def uses_grouped_mm(self, x: Tensor) -> bool:
+        """Whether ``forward_grouped`` needs no host-side row counts for rows like ``x``."""
+
+    def forward_grouped(self, x: Tensor, counts: Tensor, max_count: int | None) -> Tensor:
+        """Rows ``x`` sorted by local expert, ``counts[e]`` of them for expert e -> outputs."""
 
 
 # Uneven all-to-all: comm.py has only even splits. It belongs there (principle 4) and is kept
@@ -85,7 +100,7 @@ def _inverse_permutation(perm: Tensor) -> Tensor:
 
 
 def run_experts(
-    experts: Experts, x: Tensor, kept: Tensor, counts: list[int], group, ep: int
+    experts: GroupedExperts, x: Tensor, kept: Tensor, counts: list[int], group, ep: int
 ) -> Tensor:
     """Rows ``x`` sorted by expert (``counts[e]`` kept rows for expert e, ``kept`` the same
     on the device) through their experts, wherever they live; returns rows in x's order."""
@@ -111,7 +126,7 @@ def run_experts(
 
 
 def grouped_dispatch(
-    tokens: Tensor, a: Assignment, experts: Experts, group, ep: int
+    tokens: Tensor, a: Assignment, experts: GroupedExperts, group, ep: int
 ) -> tuple[Tensor, Tensor | int]:
     """The MoE output for ``tokens`` [T, d] routed as ``a``; also the dropped choices' count."""
     if ep == 1 and tokens.shape[0] > 0 and experts.uses_grouped_mm(tokens):
@@ -130,7 +145,7 @@ def grouped_dispatch(
 
 
 def _dispatch_without_sync(
-    tokens: Tensor, a: Assignment, experts: Experts
+    tokens: Tensor, a: Assignment, experts: GroupedExperts
 ) -> tuple[Tensor, Tensor]:
     """All experts local and ``torch._grouped_mm``: every choice, dropped ones included, runs
     through its expert and a dropped one's gate is zeroed, so every shape follows from the

@@ -51,7 +51,7 @@ class Assignment:
     token: Tensor  # [k * tokens] long
     expert: Tensor  # [k * tokens] long
     slot: Tensor  # [k * tokens] long
-    gate: Tensor  # [k * tokens] float32 gate value (differentiable)
+    gate: Tensor  # [k * tokens] gate value (differentiable): float32, or a model's own dtype
     capacity: int | None
     aux_loss: Tensor
     z_loss: Tensor
@@ -60,6 +60,29 @@ class Assignment:
     def kept_counts(self) -> Tensor:
         """[experts] choices each expert keeps (its load, at most the capacity)."""
         return self.load if self.capacity is None else self.load.clamp(max=self.capacity)
+
+
+def topk_assignment(index: Tensor, weights: Tensor, num_experts: int) -> Assignment:
+    """A model's own top-k routing as an ``Assignment``: ``index`` / ``weights`` ``[tokens, k]``
+    (what a Hugging Face MoE block hands its experts). Nothing is dropped (no capacity) and
+    no loss is recorded (the model computes its own); choices are ordered as ``assign``
+    orders them, and the slots come from one stable sort instead of a ``[choices, experts]``
+    one-hot (a DeepSeek-sized router has hundreds of experts)."""
+    if index.dim() != 2 or weights.shape != index.shape:
+        raise ValueError(
+            f"top-k routing must be index and weights of one shape [tokens, k], got "
+            f"{tuple(index.shape)} and {tuple(weights.shape)}"
+        )
+    num_tokens, k = index.shape
+    expert, gate = index.t().reshape(-1), weights.t().reshape(-1)
+    order = torch.argsort(expert, stable=True)  # by expert, then choice: each queue in order
+    load = torch.bincount(expert, minlength=num_experts)
+    start = torch.cumsum(load, 0) - load
+    slot = torch.empty_like(expert)
+    slot[order] = torch.arange(expert.numel(), device=expert.device) - start[expert[order]]
+    token = torch.arange(num_tokens, device=index.device).repeat(k)
+    zero = weights.new_zeros((), dtype=torch.float32)
+    return Assignment(token, expert, slot, gate, None, zero, zero, load)
 
 
 def capacity(

@@ -168,6 +168,7 @@ class Plan:
     params: int = 0  # the dense model's parameters (a tied weight once)
     params_sharded: int = 0  # of those, the ones held in shards (see coverage.count_sharded)
     stages: Any = None  # the pipeline stage table, printed after the layers
+    experts: Any = None  # the expert layout (an adapter's, e.g. gridtrain.hf.moe), printed last
 
     def __getitem__(self, name: str) -> PlanEntry:
         return self.entries[name]
@@ -192,6 +193,8 @@ class Plan:
             lines += self._layer_rows()
         if self.stages is not None:
             lines.append(str(self.stages))
+        if self.experts is not None:
+            lines.append(str(self.experts))
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
     def _layout_line(self) -> str:
@@ -230,6 +233,10 @@ class ModelAdapter(Protocol):
 
     def pipeline_layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The model's layers in execution order, for a pipeline to cut between."""
+
+    def parallelize_experts(self, model: nn.Module, ctx) -> tuple[dict[int, nn.Parameter], Any]:
+        """Optional, before planning: spread the model's experts over EXPERT; returns old
+        parameter id -> new parameter and a printable expert layout (``Plan.experts``)."""
 
 
 def layout_of(ctx) -> dict[str, Any]:

@@ -1,0 +1,214 @@
+"""A Hugging Face model's fused experts, spread over the EXPERT group.
+
+Recent ``transformers`` MoE families keep each layer's experts as one module whose
+tensors are ``[num_experts, ...]`` (``gate_up_proj``, ``down_proj``, optional biases)
+and whose forward takes ``(hidden_states [T, d], top_k_index [T, k], top_k_weights [T,
+k])`` from the block's router. Their expert-parallel plan (``model.ep_plan``) names
+those modules (``ep_dispatch_experts``) and tensors (``grouped_gemm``). For each:
+
+* every per-expert tensor is cut to this rank's ``num_experts / ep`` experts (a
+  contiguous block, as ``Experts`` cuts its own), tagged as a dim-0 shard over EXPERT
+  whose gradient averages over EXPERT_DATA, so full state dicts, checkpoints and
+  ``save_pretrained`` keep the model's dense keys and shapes;
+* the module's class becomes a subclass whose forward dispatches: the router's choices
+  become an ``Assignment`` (``topk_assignment``) and go through the one grouped dispatch
+  (``parallel.moe.dispatch``: counts, then rows, by all-to-all over EXPERT, dropless);
+  the rows a rank receives run through the module's own forward, on its local experts,
+  as a top-1 choice of weight 1 (the model's own kernel: eager, ``grouped_mm`` or
+  ``batched_mm``); the gates are applied when the rows are back;
+* the router, shared experts and everything else in the block stay the model's code.
+
+Gradient scale: an expert's gradient on a rank sums the tokens of its whole EXPERT group,
+so averaging it over EXPERT_DATA would give ``ep`` times the data-parallel mean; the rows
+pass a ``1/ep`` gradient scale on the way out of the experts and ``ep`` on the way in,
+which leaves every input gradient as it is (``Experts`` scales its weights instead; here
+the weights are used inside the model's own code).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.moe.dispatch import grouped_dispatch
+from gridtrain.parallel.moe.experts import scale_grad
+from gridtrain.parallel.moe.router import topk_assignment
+from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
+from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
+
+EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
+FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+@dataclass
+class Placement:
+    """Where one experts module's experts live: ``ep`` ranks of ``group``, this one holding
+    experts ``[first, first + local)`` of ``num_experts``."""
+
+    num_experts: int
+    ep: int
+    first: int
+    group: object = None  # the EXPERT process group (None at ep 1)
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    @property
+    def local(self) -> int:
+        return self.num_experts // self.ep
+
+    def __deepcopy__(self, memo):  # a process group cannot be copied; the planner copies modules
+        return self
+
+
+def expert_modules(model: nn.Module) -> dict[str, list[str]]:
+    """Experts module path -> its per-expert parameters (names inside it), from the model's
+    expert-parallel plan; {} for a model without one. Styles gridtrain does not implement
+    are refused by name."""
+    plan = dict(getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None) or {})
+    for pattern, style in plan.items():
+        if style not in (EP_MODULE, EP_TENSOR):
+            raise PlanError(
+                f"{type(model).__name__}'s expert-parallel plan gives '{pattern}' the style "
+                f"{style!r}, which gridtrain does not implement ({EP_MODULE}, {EP_TENSOR})"
+            )
+    spread = [p for p, s in plan.items() if s == EP_MODULE]
+    tensors = [p for p, s in plan.items() if s == EP_TENSOR]
+    found: dict[str, list[str]] = {}
+    for name, _ in model.named_modules():
+        if any(pattern_matches(p, name) for p in spread):
+            found[name] = [
+                local
+                for local, _ in model.get_submodule(name).named_parameters()
+                if any(pattern_matches(p, f"{name}.{local}") for p in tensors)
+            ]
+    return found
+
+
+def check_experts(name: str, module: nn.Module, per_expert: list[str], ep: int) -> int:
+    """The module's expert count; a PlanError naming ``name`` and what it lacks."""
+    what = f"'{name}' ({type(module).__name__})"
+    num = getattr(module, "num_experts", None)
+    if not isinstance(num, int) or num < 1:
+        raise PlanError(f"{what}: an experts module without an int num_experts")
+    args = list(inspect.signature(type(module).forward).parameters)[1:4]
+    if tuple(args) != FORWARD_ARGS:
+        raise PlanError(
+            f"{what}: its forward takes {args}, not {list(FORWARD_ARGS)}: gridtrain hands "
+            "fused experts their tokens in that form only"
+        )
+    others = [n for n, _ in module.named_parameters() if n not in per_expert]
+    if others:
+        raise PlanError(
+            f"{what} holds parameters that are not per expert ({others}); gridtrain spreads "
+            "whole experts and cannot place a tensor shared by all of them"
+        )
+    for local, p in module.named_parameters():
+        if p.dim() == 0 or p.shape[0] != num:
+            raise PlanError(
+                f"{what}: '{local}' of shape {tuple(p.shape)} is in the expert plan but its "
+                f"first dimension is not num_experts={num}"
+            )
+    if num % ep:
+        raise PlanError(
+            f"{what}: {num} experts do not split over moe.expert_parallel_size {ep} "
+            f"({num} % {ep} != 0)"
+        )
+    return num
+
+
+def spread(
+    name: str, module: nn.Module, num: int, ctx: ParallelContext, init=None
+) -> tuple[Placement, dict[int, nn.Parameter]]:
+    """Keep this rank's experts of ``module`` and switch it to the dispatching forward;
+    returns its placement and old parameter id -> new parameter. ``init``: the model's
+    ``_init_weights``, re-run on the local experts when a lazily built model materialises."""
+    ep = ctx.world_size(ParallelMode.EXPERT)
+    rank = ctx.local_rank(ParallelMode.EXPERT)
+    group = ctx.group(ParallelMode.EXPERT) if ep > 1 else None
+    place = Placement(num, ep, rank * (num // ep), group)
+    new_of: dict[int, nn.Parameter] = {}
+    for local, p in list(module.named_parameters()):
+        kept = p.detach()[place.first : place.first + place.local]
+        q = nn.Parameter(kept.clone(), requires_grad=p.requires_grad)
+        set_shard_spec(q, (0, ParallelMode.EXPERT))
+        set_dp_mode(q, ParallelMode.EXPERT_DATA)
+        owner, _, attr = local.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, attr, q)
+        new_of[id(p)] = q
+        place.shapes[local] = (tuple(p.shape), tuple(q.shape))
+    module.num_experts = place.local  # the model's own forward then runs the local experts
+    module.gt_experts = place
+    module.__class__ = _dispatching(type(module))
+    if init is not None and not hasattr(module, "reset_parameters"):
+        module.reset_parameters = types.MethodType(_reset_with(init), module)
+    return place, new_of
+
+
+def _reset_with(init):
+    def reset_parameters(self: nn.Module) -> None:
+        with torch.no_grad():
+            init(self)
+
+    return reset_parameters
+
+
+class ExpertParallel:
+    """Mixed into an experts module's class by ``spread``: the dispatching forward."""
+
+    gt_parallel = True  # the tensor planner keeps the module whole and never traces inside
+    gt_experts: Placement
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):
+        if hidden_states.dim() != 2:
+            raise ValueError(
+                f"{type(self).__name__}: expected hidden_states [tokens, hidden], got "
+                f"{tuple(hidden_states.shape)}"
+            )
+        place = self.gt_experts
+        a = topk_assignment(top_k_index, top_k_weights, place.num_experts)
+        out, _ = grouped_dispatch(hidden_states, a, LocalExperts(self), place.group, place.ep)
+        return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _dispatching(cls: type) -> type:
+    """``cls`` with ``ExpertParallel``'s forward (one subclass per class, so ``isinstance``
+    and the module's own methods still hold)."""
+    if issubclass(cls, ExpertParallel):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+    return _CLASSES[cls]
+
+
+class LocalExperts:
+    """The dispatch's view of this rank's experts of one module (``GroupedExperts``): rows
+    sorted by local expert run through the module's own forward as top-1 choices of weight 1."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.num_local_experts = module.gt_experts.local
+
+    def uses_grouped_mm(self, x: Tensor) -> bool:
+        return False  # the rows cross ranks: their counts are on the host already
+
+    def forward_grouped(self, x: Tensor, counts: Tensor, max_count: int | None) -> Tensor:
+        local = torch.arange(self.num_local_experts, device=x.device)
+        expert = torch.repeat_interleave(local, counts, output_size=x.shape[0])
+        if x.shape[0] == 0:  # no rows: one zero row keeps weights and rows in the graph
+            return self._run(x.sum(0, keepdim=True), expert.new_zeros(1))[:0]
+        return self._run(x, expert)
+
+    def _run(self, x: Tensor, expert: Tensor) -> Tensor:
+        ep = float(self.module.gt_experts.ep)
+        x = scale_grad(x, ep)
+        weight = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        y = super(ExpertParallel, self.module).forward(x, expert.unsqueeze(1), weight)
+        return scale_grad(y, 1.0 / ep)
