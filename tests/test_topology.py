@@ -119,6 +119,16 @@ def test_expert_groups_cut_the_data_axis():
     assert g[PM.EXPERT] == [(0, 1), (2, 3)] and g[PM.EXPERT_DATA] == [(0, 2), (1, 3)]
 
 
+def test_expert_replicas_span_the_sequence_ranks_under_sequence_parallelism():
+    # the sequence ranks of one data rank hold other tokens of its rows for the same experts
+    cfg = gt.Config.from_dict(
+        dict(moe=dict(expert_parallel_size=2), parallel=dict(tensor=dict(size=2, mode="sequence")))
+    )
+    g = build_groups(cfg, 8)  # data 4 x sequence 2
+    assert g[PM.EXPERT] == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert g[PM.EXPERT_DATA] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+
+
 def test_topology_of_1024_ranks_is_fast():
     cfg = gt.Config.from_dict(dict(parallel=dict(pipeline=4, tensor=dict(size=8, mode="3d"))))
     start = time.perf_counter()

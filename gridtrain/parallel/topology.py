@@ -55,6 +55,11 @@ def build_groups(config: Config, world_size: int) -> Groups:
     if mode == "sequence":
         # all ranks of one pipeline stage, across data and sequence
         groups[PM.SEQUENCE_DP] = [tuple(rank(d, p, t) for d, t in product(dr, tr)) for p in pr]
+        # experts likewise: a data rank's sequence ranks route other tokens to the same experts
+        groups[PM.EXPERT_DATA] = [
+            tuple(rank(g * E + e, p, t) for g, t in product(range(D // E), tr))
+            for p, e in product(pr, range(E))
+        ]
     return groups
 
 
