@@ -203,11 +203,22 @@ def _reduce_scatters_per_micro_step(ctx, batches, accumulation):
         row_buckets.reduce_scatter_single, dist.reduce_scatter_single = originals
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_accumulation_communicates_only_in_the_last_micro_step(stage):
+@pytest.mark.parametrize(
+    "zero, each",
+    [
+        (1, False),  # stage 1 keeps full gradients and reduces once per step
+        (2, True),  # stage 2 reduces into its rows in every micro-step
+        (3, True),  # stage 3: sharded accumulation, as torchtitan runs FSDP2
+        (dict(stage=3, keep_unsharded_grads=True), False),
+    ],
+)
+def test_when_accumulation_communicates(zero, each):
     batches = token_batches(1, BATCH, SEQ, VOCAB, seed=0)
-    config = dict(zero=stage, gradient_accumulation=2)
+    config = dict(zero=zero, gradient_accumulation=2)
     for seen in run_distributed(
         _reduce_scatters_per_micro_step, 4, batches, 2, config=config, timeout=300
     ):
-        assert seen[0] == 0 and seen[-1] > 0, seen
+        if each:  # both micro-steps reduce the same buckets; the step adds none
+            assert 0 < seen[0] and seen[1] == 2 * seen[0] and seen[2] == seen[1], seen
+        else:
+            assert seen[0] == 0 and seen[-1] > 0, seen

@@ -38,6 +38,15 @@ class ZeroConfig(Section):
         "host step overlaps the next forward and backward; gradients are one step stale)",
     )
 
+    keep_unsharded_grads: bool = Field(
+        False,
+        description="stage 3 (FSDP2): keep each rank's full unsharded gradients across "
+        "accumulation micro-steps and pipeline micro-batches and reduce-scatter them once, in "
+        "the window's last backward (1/micro-steps the reduce-scatter traffic; each rank then "
+        "holds its whole stage's gradient, in the compute dtype, between micro-steps). "
+        "False: reduce-scatter in every backward into fp32 shards, 1/dp of the gradient held",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _int_is_stage(cls, data: Any) -> Any:
@@ -53,4 +62,10 @@ class ZeroConfig(Section):
                     f"zero.{key} applies to stage 3 with offload=True (Gemini), got stage "
                     f"{self.stage}, offload {self.offload}"
                 )
+        if self.keep_unsharded_grads and (self.stage != 3 or self.offload):
+            raise ValueError(
+                "zero.keep_unsharded_grads applies to stage 3 without offload (FSDP2), got "
+                f"stage {self.stage}, offload {self.offload}; stage 1 is the stage that keeps "
+                "full gradients and reduces them once per step"
+            )
         return self

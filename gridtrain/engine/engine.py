@@ -27,6 +27,7 @@ from gridtrain.amp.optimizer import AmpOptimizer
 from gridtrain.amp.torch_amp import autocast
 from gridtrain.engine.accumulation import GradientAccumulation
 from gridtrain.engine.clip import clip_grad_norm
+from gridtrain.engine.memory import MemoryMeter, MemoryReport
 from gridtrain.engine.nonfinite import (
     NonFiniteGuard,
     Outcome,
@@ -102,6 +103,7 @@ class Engine:
         self.last_grad_norm: Tensor | None = None  # before clipping, when clipping is on
         self.last_step_skipped = False  # the last window overflowed (fp16) or was not finite
         self._bn_buffers = _batchnorm_buffers(model)
+        self._memory = MemoryMeter(model, optimizer, grad_sync, zero, ctx.device)
         self.steps = StepFunctions(
             forward=self.forward_split,
             loss=self.compute_loss if criterion is not None else None,
@@ -263,7 +265,22 @@ class Engine:
             self.grad_sync.after_step()
             outcome = self.nonfinite.after_step(check, self.zero_grad_all)
         self._after_outcome(outcome)
+        self._memory.step_ended()
         return outcome.stepped
+
+    # ---- memory ----------------------------------------------------------------------------
+    def memory(self) -> MemoryReport:
+        """This rank's bytes by category (parameters, gradients, optimizer_state, masters,
+        activations), on the device and in host memory: now, and at the peak of the last
+        step run inside ``track_memory()``; what ``gridtrain estimate`` predicts, category by
+        category. Categories: ``gridtrain.parallel.zero.memory_rules``; sample points:
+        ``gridtrain.engine.memory``. ``print(engine.memory())`` shows a table."""
+        return self._memory.report()
+
+    def track_memory(self) -> contextlib.AbstractContextManager[None]:
+        """Steps run inside record their peaks for ``memory()``, activations included (each
+        sample walks every tensor: slower steps; use it to measure)."""
+        return self._memory.track()
 
     @property
     def global_step(self) -> int:

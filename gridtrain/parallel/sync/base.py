@@ -11,12 +11,37 @@ Gemini (ZeRO 3 with offload) and the configured gradient handlers. The engine ca
   gradient the optimizer reads is then final (averaged, reduce-scattered, tied weights summed);
 * ``after_step()`` after the optimizer stepped (ZeRO 1-2 all-gather the updated rows,
   Gemini uploads them).
+
+and, for ``engine.memory()``, ``buffers()`` (the communication buffers held now, by
+category) and ``set_probe(fn)`` (``fn`` is called where those buffers are largest).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+
+from torch import Tensor
+
+
+def _no_probe() -> None:
+    pass
+
+
+def bucket_buffers(buckets: Iterable) -> list[tuple[str, Tensor]]:
+    """``(category, tensor)`` of what ``buckets`` hold for their collectives now: gradients
+    (all-reduce copies, reduce-scatter send and receive buffers) and parameters (all-gather)."""
+    out = []
+    for b in buckets:
+        for attr, category in (("buffer", "gradients"), ("_send", "gradients")):
+            t = getattr(b, attr, None)
+            if isinstance(t, Tensor):
+                out.append((category, t))
+        for attr in ("_gathered", "_gather_send"):
+            t = getattr(b, attr, None)
+            if isinstance(t, Tensor):
+                out.append(("parameters", t))
+    return out
 
 
 class GradSync:
@@ -27,6 +52,7 @@ class GradSync:
     """
 
     allows_device_skip = True
+    probe: Callable[[], None] = staticmethod(_no_probe)
 
     def around_backward(self, last: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -36,6 +62,16 @@ class GradSync:
 
     def after_step(self) -> None:
         pass
+
+    def buffers(self) -> list[tuple[str, Tensor]]:
+        """``(category, tensor)`` of the communication buffers held now (engine.memory)."""
+        return bucket_buffers(getattr(self, "buckets", ()))
+
+    def set_probe(self, probe: Callable[[], None]) -> None:
+        """Call ``probe`` (engine.memory's sampler) where this sync's buffers are largest."""
+        self.probe = probe
+        for bucket in getattr(self, "buckets", ()):
+            bucket.probe = probe
 
 
 class GradSyncs(GradSync):
@@ -63,3 +99,10 @@ class GradSyncs(GradSync):
     def after_step(self) -> None:
         for part in self.parts:
             part.after_step()
+
+    def buffers(self) -> list[tuple[str, Tensor]]:
+        return [b for part in self.parts for b in part.buffers()]
+
+    def set_probe(self, probe: Callable[[], None]) -> None:
+        for part in self.parts:
+            part.set_probe(probe)

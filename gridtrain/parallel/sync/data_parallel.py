@@ -103,6 +103,7 @@ class OverlappedDataParallel(GradSync):
         """Launch what backward did not, wait for every bucket, write the averaged gradients."""
         for bucket in self.buckets[self._next :]:
             bucket.launch(async_op=True)
+        self.probe()  # every bucket's buffer is held now
         for bucket in self.buckets:
             bucket.finish()
         self._reset()

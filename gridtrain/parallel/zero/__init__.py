@@ -3,9 +3,11 @@
 * stage 1 (``stage12``): each rank's optimizer steps only its rows of every
   parameter (state and fp32 masters sharded); gradients reduce-scattered at the end
   of the window, every rank keeping its full gradients; rows all-gathered after the step.
-* stage 2 (``stage12``): as 1, and each gradient is dropped once its bucket is
-  reduce-scattered (during the last backward).
-* stage 3 (``fsdp``): FSDP2 ``fully_shard``, parameters sharded too.
+* stage 2 (``stage12``): as 1, but gradients are reduce-scattered into the row
+  accumulators in every backward (micro-step, pipeline micro-batch) and each is dropped
+  once its bucket has it: a rank holds its rows plus the buckets in flight.
+* stage 3 (``fsdp``): FSDP2 ``fully_shard``, parameters sharded too; gradients
+  reduce-scattered in every backward (``keep_unsharded_grads``: the window's last only).
 * stage 3 with ``offload=True`` (``offload``, Gemini): fp32 masters, gradients and Adam
   state in pinned host memory (1/n of the rows per rank), compute-dtype parameters on the
   device where they fit (``device_param_mb``) and streamed chunk by chunk where not.
@@ -63,7 +65,9 @@ def build_zero(
     if cfg.stage == 3:
         from gridtrain.parallel.zero.fsdp import FsdpZero
 
-        return FsdpZero(model, optimizer, ctx, amp=amp)
+        return FsdpZero(
+            model, optimizer, ctx, amp=amp, keep_unsharded_grads=cfg.keep_unsharded_grads
+        )
     from gridtrain.parallel.zero.stage12 import Stage12Zero
 
     return Stage12Zero(

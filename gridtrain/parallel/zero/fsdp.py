@@ -14,9 +14,13 @@ Mixed precision maps onto FSDP2's ``MixedPrecisionPolicy``: naive fp16 keeps the
 sharded fp32 parameters as the masters and computes in fp16 (gradients reduced in
 fp32); bf16 gathers bf16; torch amp keeps fp32 parameters under autocast.
 
-Gradient accumulation and pipeline micro-batches reduce only in the window's last
-backward (``set_requires_gradient_sync``). The user's optimizer is rebound to the
-DTensor parameters, so ``optimizer.state`` holds DTensors of this rank's rows only.
+Gradients are reduce-scattered in every backward, every accumulation micro-step and pipeline
+micro-batch, and accumulated into the sharded (fp32) gradients, so a rank holds 1/dp of them
+(sharded accumulation, as torchtitan runs FSDP2). ``zero.keep_unsharded_grads`` instead
+keeps the full unsharded gradients across the window and reduces only in its last backward
+(``set_requires_gradient_sync``): less communication, the whole gradient held. The user's
+optimizer is rebound to the DTensor parameters, so ``optimizer.state`` holds DTensors of
+this rank's rows only.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.tags import copy_tags, default_dp_mode, get_dp_mode
+from gridtrain.parallel.zero.memory import Source, grads, optimizer_params, state_tensors
+from gridtrain.parallel.zero.memory_rules import (
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    reduces_each_backward,
+)
 from gridtrain.parallel.zero.rows import chunk_rows, owned_range, set_zero_rows
 
 logger = logging.getLogger("gridtrain")
@@ -93,8 +104,8 @@ def units(model: nn.Module) -> list[nn.Module]:
 class FsdpZero(GradSync):
     """Stage 3 of one engine: ``fully_shard`` applied, the optimizer rebound to the DTensors.
 
-    As a ``GradSync``: FSDP2 reduce-scatters inside the window's last backward, so
-    ``finish()`` and ``after_step()`` have nothing left to do.
+    As a ``GradSync``: FSDP2 reduce-scatters inside every backward (``keep_unsharded_grads``:
+    the window's last only), so ``finish()`` and ``after_step()`` have nothing left to do.
     """
 
     stage = 3
@@ -106,8 +117,10 @@ class FsdpZero(GradSync):
         optimizer: Optimizer,
         ctx: ParallelContext,
         amp: AMP_TYPE | None = None,
+        keep_unsharded_grads: bool = False,
     ):
         self.ctx, self.model = ctx, model
+        self.keep_unsharded_grads = keep_unsharded_grads
         self._meshes: dict[ParallelMode, DeviceMesh] = {}
         mp = mixed_precision(amp)
         if amp is AMP_TYPE.NAIVE:  # naive fp16 runs the whole model in fp16, buffers too
@@ -135,7 +148,8 @@ class FsdpZero(GradSync):
             if state is not None:  # loaded before initialize: keep this rank's rows
                 optimizer.state[p] = {k: _as_dtensor_like(v, p, before) for k, v in state.items()}
         rebind_optimizer(optimizer, new_of)
-        self._set_sync(False)  # backwards outside the window's last one accumulate locally
+        if not reduces_each_backward(3, keep_unsharded_grads=keep_unsharded_grads):
+            self._set_sync(False)  # backwards before the window's last accumulate unsharded
         for m in self.fsdp_modules:  # experts: ranks may route no token to some of them
             if hasattr(m, "set_reduce_scatter_unused_params"):  # not in older torch
                 m.set_reduce_scatter_unused_params(True, recurse=False)
@@ -181,8 +195,8 @@ class FsdpZero(GradSync):
 
     @contextlib.contextmanager
     def around_backward(self, last: bool) -> Iterator[None]:
-        """Only the window's last backward reduce-scatters gradients."""
-        if not last:
+        """Every backward reduce-scatters (``keep_unsharded_grads``: the window's last only)."""
+        if not last or not self.keep_unsharded_grads:
             yield
             return
         self._set_sync(True)
@@ -193,6 +207,40 @@ class FsdpZero(GradSync):
 
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         return []  # the model's parameters are the masters
+
+    @property
+    def units(self) -> list[nn.Module]:
+        """The modules whose parameters are gathered around their forward and backward."""
+        return self.fsdp_modules
+
+    def _fsdp_params(self) -> Iterator:
+        # FSDP2 has no public view of its gathered tensors: read its parameter groups
+        for m in self.fsdp_modules:
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield from group.fsdp_params
+
+    def memory_sources(self, model: nn.Module, optimizer) -> list[Source]:
+        """The sharded parameters and the units gathered now (their all-gather outputs,
+        storage freed when resharded); the sharded gradients and the unsharded ones
+        (``keep_unsharded_grads``, or a backward's before its reduce-scatter)."""
+        fsdp = list(self._fsdp_params())
+        gathered = [t for fp in fsdp for t in getattr(fp, "all_gather_outputs", [])]
+        unsharded = [getattr(fp, "_unsharded_param", None) for fp in fsdp]
+        full_grads = [p.grad for p in unsharded if p is not None and p.grad is not None]
+        full_grads += [
+            fp.unsharded_accumulated_grad
+            for fp in fsdp
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None
+        ]
+        # the optimizer's are the sharded parameters; inside a unit's forward the module
+        # holds the unsharded ones instead
+        params = optimizer_params(optimizer) + list(model.parameters())
+        return [
+            (PARAMETERS, params + gathered, None),
+            (GRADIENTS, grads(params) + full_grads, None),
+            (OPTIMIZER_STATE, state_tensors(optimizer), None),
+        ]
 
 
 def _expert_units(model: nn.Module, ctx: ParallelContext) -> list[nn.Module]:

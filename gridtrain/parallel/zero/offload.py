@@ -50,6 +50,8 @@ from gridtrain.parallel.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.tags import get_dp_mode
 from gridtrain.parallel.zero.fsdp import units
+from gridtrain.parallel.zero.memory import Source, grads, state_tensors
+from gridtrain.parallel.zero.memory_rules import GRADIENTS, MASTERS, OPTIMIZER_STATE, PARAMETERS
 from gridtrain.parallel.zero.offload_chunk import Chunk
 from gridtrain.parallel.zero.offload_delayed import DelayedStep
 from gridtrain.parallel.zero.offload_plan import compute_dtype, group_units, place
@@ -357,6 +359,35 @@ class OffloadZero(GradSync):
 
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         return []  # the model's parameters are the masters
+
+    @property
+    def units(self) -> list[nn.Module]:
+        """The modules whose chunks are fetched around their forward and backward (the root
+        first)."""
+        return self._units
+
+    def set_probe(self, probe) -> None:
+        super().set_probe(probe)
+        for chunk in self.chunks:
+            chunk.probe = probe
+
+    def buffers(self) -> list[tuple[str, Tensor]]:
+        return [(GRADIENTS, c.send) for c in self.chunks if c.send is not None]
+
+    def memory_sources(self, model: nn.Module, optimizer) -> list[Source]:
+        """The device copies (and streamed chunks' host copies) as parameters; the host rows
+        of masters, gradients (and the staging buffers of accumulation) and optimizer state;
+        the device's gradients of a backward."""
+        compute = [s.compute for c in self.chunks for s in c.slots]
+        homes = [c.home for c in self.chunks if c.home is not None]
+        return [
+            (PARAMETERS, compute, False),
+            (PARAMETERS, homes, True),
+            (MASTERS, [c.masters for c in self.chunks], True),
+            (GRADIENTS, grads(compute), False),
+            (GRADIENTS, [c.grads for c in self.chunks] + self.host.staging, True),
+            (OPTIMIZER_STATE, state_tensors(optimizer), True),
+        ]
 
     def memory_report(self) -> dict[str, int]:
         """Bytes held now: compute-dtype parameters on the device (resident chunks, and streamed

@@ -55,6 +55,9 @@ class Slot:
 class Chunk:
     """The parameters of one unit over one data-parallel group (see the module docstring)."""
 
+    probe = staticmethod(lambda: None)  # engine.memory()'s sample point: the send buffer held
+    send: Tensor | None = None
+
     def __init__(
         self,
         index: int,
@@ -180,6 +183,8 @@ class Chunk:
         """This rank's rows of the group's mean gradient, as a device segment in the masters'
         dtype (compute tensors' gradients dropped); and which slots had a gradient here."""
         send = torch.zeros(self.n * self.segment, dtype=self.master_dtype, device=self.device)
+        self.send = send  # held until reduced: engine.memory() counts it at the probe
+        self.probe()
         rank_major = send.view(self.n, self.segment)
         had = []
         for slot in self.slots:
@@ -191,6 +196,7 @@ class Chunk:
             dst = s.chunks(rank_major[:, slot.seg : slot.seg + s.padded], self.n)
             rows_to_chunks(g.reshape(s.rows, s.row_numel), dst, s)
             slot.compute.grad = None
+        self.send = None
         if self.n == 1:
             return send, had
         send.div_(self.n)  # the sum of the quotients is the mean (as the stage 1-2 buckets)

@@ -91,6 +91,11 @@ class HostGrads:
         self._pending: list = []  # events and futures to wait for before the step
         self.started: set[int] = set()  # chunks whose segment holds this window's sum so far
 
+    @property
+    def staging(self) -> list[Tensor]:
+        """The pinned buffers later gradients of a window land in before they are summed."""
+        return list(self._staging)
+
     def land(self, index: int, device_segment: Tensor, host_segment: Tensor) -> None:
         """The window's first gradient of chunk ``index`` replaces its host segment's values;
         a later one is added to them."""

@@ -2,8 +2,10 @@
 
 A ``RowShard`` pairs a model parameter with the optimizer's parameter holding this rank's
 rows of it (``rows.py``). A ``RowBucket`` lays the gradients of its shards out rank by rank
-and reduce-scatters them (``launch``/``finish``, driven during backward by the overlapped
-data-parallel path, ``parallel.sync.data_parallel``), and all-gathers the updated rows
+and reduce-scatters them (``launch``/``finish``, driven during backward: by the overlapped
+data-parallel path in the window's last backward at stage 1, ``parallel.sync.data_parallel``,
+and in every backward at stage 2, ``parallel.sync.each_backward``), adding each rank's rows
+into the masters' gradients (the row accumulators), and all-gathers the updated rows
 after the step (``launch_gather``/``finish_gather``). Gemini's chunks (``offload_chunk``)
 lay their rows out the same way.
 """
@@ -82,9 +84,14 @@ class RowBucket(FlatBucket):
     """
 
     def __init__(
-        self, shards: list[RowShard], mode: ParallelMode, ctx: ParallelContext, free_grads: bool
+        self,
+        shards: list[RowShard],
+        mode: ParallelMode,
+        ctx: ParallelContext,
+        free_grads: bool,
+        pipeline_chunk: int = 0,
     ):
-        self.shards, self.mode = shards, mode
+        self.shards, self.mode, self.pipeline_chunk = shards, mode, pipeline_chunk
         self.group, self.n = ctx.group(mode), ctx.world_size(mode)
         self.free_grads = free_grads
         self.deferred = any(is_pipeline_shared(s.param) for s in shards)  # handler runs first
@@ -110,6 +117,8 @@ class RowBucket(FlatBucket):
         first = self.shards[0].param
         grad_dtype = first.grad.dtype if first.grad is not None else first.dtype
         send = torch.zeros(self.n * self.segment, dtype=grad_dtype, device=first.device)
+        self.buffer = send  # held from here: counted by a probe
+        self.probe()
         rank_major = send.view(self.n, self.segment)
         for s, off in zip(self.shards, self.offsets):
             g = s.param.grad
@@ -125,7 +134,8 @@ class RowBucket(FlatBucket):
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Wait; each master's gradient becomes its rows of the mean (a view when dtypes agree)."""
+        """Wait; each master's gradient (its row accumulator) takes its rows of the mean: the
+        first of a window becomes it (a view when dtypes agree), later ones are added."""
         self.wait()
         for s, off in zip(self.shards, self.offsets):
             if self.n == 1:
@@ -133,12 +143,15 @@ class RowBucket(FlatBucket):
                 if self.free_grads:
                     s.param.grad = None
                 if g is None:
-                    s.master.grad = None
                     continue
                 g = g.view(s.master.shape)
             else:
                 g = self.buffer[off : off + (s.hi - s.lo) * s.row_numel].view(s.master.shape)
-            s.master.grad = g.to(device=s.master.device, dtype=s.master.dtype)
+            g = g.to(device=s.master.device, dtype=s.master.dtype)
+            if s.master.grad is None:
+                s.master.grad = g
+            else:
+                s.master.grad.add_(g)
         self.buffer, self.work, self._send = None, None, None
 
     # ---- parameters: all-gather ---------------------------------------------------------
@@ -155,6 +168,7 @@ class RowBucket(FlatBucket):
             owned = (s.hi - s.lo) * s.row_numel
             send[off : off + owned].copy_(s.master.reshape(-1))
         self._gathered = send.new_empty(self.n * self.segment)
+        self._gather_send = send
         self._gather_work = self._collective(all_gather_single, self._gathered, send, True)
 
     @torch.no_grad()
@@ -167,18 +181,33 @@ class RowBucket(FlatBucket):
         for s, off in zip(self.shards, self.offsets):
             src = s.chunks(rank_major[:, off : off + s.padded], self.n)
             chunks_to_rows(src, as_rows(s.param.data).view(s.rows, s.row_numel), s)
-        self._gathered = self._gather_work = None
+        self._gathered = self._gather_work = self._gather_send = None
 
 
 def build_row_buckets(
-    shards: list[RowShard], ctx: ParallelContext, free_grads: bool, bucket_size_mb: float
+    shards: list[RowShard],
+    ctx: ParallelContext,
+    free_grads: bool,
+    bucket_size_mb: float,
+    chunk_of: dict[int, int] | None = None,
 ) -> list[RowBucket]:
     """Buckets in reverse parameter order (backward's order), tied pipeline weights last
-    (``deferred``: their handler sums the full gradients before they are reduce-scattered)."""
+    (``deferred``: their handler sums the full gradients before they are reduce-scattered).
+
+    ``chunk_of`` (``parallel.sync.each_backward.pipeline_chunks``): a parameter's pipeline
+    chunk, so a bucket holds one chunk's parameters (-1: several chunks; such a bucket is
+    deferred too, since no one backward completes it)."""
+    chunk_of = chunk_of or {}
 
     def key(s: RowShard) -> tuple:
-        return (s.mode, s.param.dtype, s.param.device, is_pipeline_shared(s.param))
+        chunk = chunk_of.get(id(s.param), 0)
+        return (s.mode, s.param.dtype, s.param.device, is_pipeline_shared(s.param), chunk)
 
     grouped = group_buckets(shards, key, lambda s: param_bytes(s.param), bucket_size_mb)
-    grouped.sort(key=lambda kb: kb[0][3])  # stable: tied pipeline weights last
-    return [RowBucket(members, k[0], ctx, free_grads) for k, members in grouped]
+    grouped.sort(key=lambda kb: kb[0][3] or kb[0][4] < 0)  # stable: deferred buckets last
+    out = []
+    for k, members in grouped:
+        bucket = RowBucket(members, k[0], ctx, free_grads, pipeline_chunk=k[4])
+        bucket.deferred = bucket.deferred or k[4] < 0
+        out.append(bucket)
+    return out

@@ -7,12 +7,17 @@ weight) under naive fp16 or with ``offload`` (then in CPU memory). So optimizer 
 and masters exist once across the data-parallel group.
 
 Gradients reach the owners by a reduce-scatter per bucket (``row_buckets.py``: parameters
-of one group and dtype), launched from post-accumulate-grad hooks during the window's last
-backward (``parallel.sync.data_parallel``: the overlapped data-parallel path with these
-buckets): no communication in earlier micro-steps. Stage 1 keeps each rank's full gradients, as the
-paper's stage 1 does; stage 2 drops each parameter's gradient as soon as its bucket is
-handed to the reduce-scatter. After the step an all-gather per bucket writes every
-rank's updated rows back into the model.
+of one group, dtype and pipeline chunk), launched from post-accumulate-grad hooks and added
+into the masters' gradients, this rank's row accumulators (fp32 where the masters are
+copies). Stage 1 keeps each rank's full gradients across the window, as the paper's stage 1
+does, and reduce-scatters during the window's last backward only
+(``parallel.sync.data_parallel``, the overlapped data-parallel path with these buckets): no
+communication in earlier micro-steps. Stage 2 reduce-scatters during every backward, every
+accumulation micro-step and pipeline micro-batch (``parallel.sync.each_backward``), and drops
+each gradient once its bucket has it, so a rank holds its rows plus the buckets in flight
+(DeepSpeed's stage 2); tied pipeline weights keep their full gradient until their handler has
+summed it, before the step. After the step an all-gather per bucket writes every rank's
+updated rows back into the model.
 
 Why not ``torch.distributed.optim.ZeroRedundancyOptimizer``: it assigns whole parameters
 to ranks (one GPT embedding outweighs 1/8 of the model, so a rank's share is not 1/N),
@@ -41,7 +46,16 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.sync.data_parallel import OverlappedDataParallel
+from gridtrain.parallel.sync.each_backward import EachBackward, pipeline_chunks
 from gridtrain.parallel.tags import copy_tags, get_dp_mode
+from gridtrain.parallel.zero.memory import Source, grads, state_tensors
+from gridtrain.parallel.zero.memory_rules import (
+    GRADIENTS,
+    MASTERS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    reduces_each_backward,
+)
 from gridtrain.parallel.zero.row_buckets import RowShard, build_row_buckets
 from gridtrain.parallel.zero.rows import as_rows, owned_range, set_owner, set_zero_rows
 
@@ -51,8 +65,8 @@ logger = logging.getLogger("gridtrain")
 class Stage12Zero(GradSync):
     """Stages 1-2 of one engine: the row shards, their buckets and the gradient sync.
 
-    As a ``GradSync``: the window's last backward reduce-scatters the buckets as they fill
-    (the overlapped data-parallel path over them), ``finish()`` sends the rest and waits,
+    As a ``GradSync``: stage 1's last backward of a window, stage 2's every backward,
+    reduce-scatters the buckets as they fill; ``finish()`` sends the rest and waits,
     ``after_step()`` all-gathers the updated rows into the model.
     """
 
@@ -86,8 +100,13 @@ class Stage12Zero(GradSync):
                 if state is not None:  # loaded before initialize: keep this rank's rows
                     optimizer.state[shard.master] = shard.owned_state(state, shard.master.device)
         rebind_optimizer(optimizer, new_of)
-        self.buckets = build_row_buckets(self.shards, ctx, stage == 2, bucket_size_mb)
-        self._overlapped = OverlappedDataParallel(model, ctx, buckets=self.buckets)
+        each = reduces_each_backward(stage)
+        chunks = pipeline_chunks(model) if each else {}
+        self.buckets = build_row_buckets(self.shards, ctx, each, bucket_size_mb, chunks)
+        if each:
+            self._sync: GradSync = EachBackward(self.buckets)
+        else:
+            self._sync = OverlappedDataParallel(model, ctx, buckets=self.buckets)
         logger.info(
             "zero stage %d: %d parameters in %d buckets, masters %s%s",
             stage,
@@ -116,19 +135,38 @@ class Stage12Zero(GradSync):
         return RowShard(p, master, mode, n, rank, is_view=not copy)
 
     def around_backward(self, last: bool) -> contextlib.AbstractContextManager[None]:
-        """In the window's last backward, reduce-scatter buckets as they fill."""
-        return self._overlapped.around_backward(last)
+        """Stage 1: in the window's last backward, reduce-scatter buckets as they fill (stage
+        2 does in every backward, whatever wraps it)."""
+        return self._sync.around_backward(last)
 
     def finish(self) -> None:
-        self._overlapped.finish()
+        self._sync.finish()
 
     @torch.no_grad()
     def after_step(self) -> None:
         """All-gather every rank's updated rows into the model's parameters."""
         for bucket in self.buckets:
             bucket.launch_gather()
+        self.probe()  # every bucket's all-gather buffers are held now
         for bucket in self.buckets:
             bucket.finish_gather()
+
+    def set_probe(self, probe) -> None:
+        super().set_probe(probe)
+        self._sync.set_probe(probe)
+
+    def memory_sources(self, model: nn.Module, optimizer) -> list[Source]:
+        """What this rank holds, by category (``memory.count``): offloaded masters, their
+        gradients and the optimizer state in host memory."""
+        host = True if self.offload else None
+        masters = [s.master for s in self.shards]
+        return [
+            (PARAMETERS, list(model.parameters()), None),
+            (MASTERS, masters, host),
+            (GRADIENTS, grads(model.parameters()), None),
+            (GRADIENTS, grads(masters), host),
+            (OPTIMIZER_STATE, state_tensors(optimizer), host),
+        ]
 
     def masters(self) -> list[tuple[Tensor, Tensor]]:
         """(model parameter, optimizer parameter) pairs."""

@@ -1,0 +1,68 @@
+"""The memory model both ``engine.memory()`` and ``gridtrain estimate`` speak: the categories
+of what one rank holds, and which of them each ZeRO stage shards and when. Imports nothing.
+
+Categories (bytes of distinct storages, a DTensor by its local shard, each storage once;
+``engine.memory()`` reports each on the device and in host memory):
+
+* ``parameters``: the model's parameters as this rank holds them: its tensor-parallel /
+  pipeline shard; stage 3 (FSDP2) the sharded rows plus the units gathered at the moment;
+  Gemini the compute-dtype device copies (and a streamed chunk's host copy). The
+  all-gather buffers of stages 1-2 after the step count here too.
+* ``masters``: the optimizer's parameters where they are not the model's: fp32 copies
+  (naive fp16; ZeRO 1-2 with naive fp16 or offload: this rank's rows; Gemini: its host
+  rows). A ZeRO 1-2 master viewing the model's rows adds nothing. FSDP2's sharded fp32
+  parameters are counted as ``parameters``.
+* ``gradients``: every gradient held: ``.grad`` of the model's parameters and of the
+  masters (the row accumulators), FSDP2's unsharded gradients, Gemini's host rows and
+  staging buffers, and the communication buffers of buckets in flight (all-reduce copies,
+  reduce-scatter send and receive buffers).
+* ``optimizer_state``: every tensor in ``optimizer.state`` (a DTensor by its local shard).
+* ``activations``: peak only: the distinct storages autograd holds for backward (tensors
+  saved by ``save_for_backward`` / ops, parameters and views of them excluded), most at
+  once over the step.
+
+What stays sharded between two backwards of one optimizer step (``gradients_between_backwards``):
+no ZeRO and stage 1 hold the full local gradient; stage 2 and stage 3 hold this rank's rows
+(1/dp) plus nothing in flight (stage 2's buckets are drained at each backward's end; at most
+``IN_FLIGHT_BUCKETS`` run at once during a backward); stage 3 with ``keep_unsharded_grads``
+holds the full unsharded gradient (compute dtype) besides its rows; Gemini holds its rows
+in host memory.
+"""
+
+from __future__ import annotations
+
+PARAMETERS = "parameters"
+MASTERS = "masters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer_state"
+ACTIVATIONS = "activations"
+CATEGORIES = (PARAMETERS, MASTERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS)
+
+IN_FLIGHT_BUCKETS = 2  # stage 2: reduce-scatter buckets running at once within a backward
+
+FULL, ROWS, FULL_AND_ROWS, HOST_ROWS = "full", "rows", "full+rows", "host rows"
+
+
+def reduces_each_backward(
+    stage: int | None, offload: bool = False, keep_unsharded_grads: bool = False
+) -> bool:
+    """Whether gradients leave the device in every backward (accumulation micro-step, pipeline
+    micro-batch) rather than once, in the window's last: stage 2, stage 3 unless
+    ``keep_unsharded_grads``, and Gemini (stage 3 with offload)."""
+    if stage == 2 or (stage == 3 and offload):
+        return True
+    return stage == 3 and not keep_unsharded_grads
+
+
+def gradients_between_backwards(
+    stage: int | None, offload: bool = False, keep_unsharded_grads: bool = False
+) -> str:
+    """What a rank holds of its gradients between two backwards of one step: ``FULL`` (the
+    local gradient of every parameter), ``ROWS`` (its 1/dp rows, accumulated in the masters'
+    dtype: fp32 where they are copies), ``FULL_AND_ROWS`` (stage 3 keeping unsharded
+    gradients: the full ones, then its rows at the step) or ``HOST_ROWS`` (Gemini)."""
+    if stage == 3 and offload:
+        return HOST_ROWS
+    if reduces_each_backward(stage, offload, keep_unsharded_grads):
+        return ROWS
+    return FULL_AND_ROWS if stage == 3 else FULL
