@@ -51,6 +51,7 @@ from gridtrain.parallel.tags import copy_tags, get_dp_mode
 from gridtrain.parallel.zero.memory import Source, grads, state_tensors
 from gridtrain.parallel.zero.memory_rules import (
     GRADIENTS,
+    IN_FLIGHT_BUCKETS,
     MASTERS,
     OPTIMIZER_STATE,
     PARAMETERS,
@@ -104,7 +105,7 @@ class Stage12Zero(GradSync):
         chunks = pipeline_chunks(model) if each else {}
         self.buckets = build_row_buckets(self.shards, ctx, each, bucket_size_mb, chunks)
         if each:
-            self._sync: GradSync = EachBackward(self.buckets)
+            self._sync: GradSync = EachBackward(self.buckets, IN_FLIGHT_BUCKETS)
         else:
             self._sync = OverlappedDataParallel(model, ctx, buckets=self.buckets)
         logger.info(
