@@ -211,3 +211,26 @@ def test_torch_attention_equals_one_process(model, mode):
         attn = [k for k in run.shares if k.endswith("in_proj_weight")]
         assert attn and all(run.shares[k] == pytest.approx(share) for k in attn), run.shares
         assert "heads" in run.plan and "MultiheadAttention" in run.plan, run.plan
+
+
+def _vit_2d(ctx):
+    model = seeded(vit)
+    x = _images()[0][0]
+    try:
+        gt.initialize(model, _adamw(model), _ce, example_inputs=x)
+    except gt.PlanError as err:
+        return str(err)
+    return None
+
+
+def test_vit_under_2d_is_refused_naming_its_own_parameters():
+    """torchvision's ViT reshapes its patch convolution's output by its full ``hidden_dim``
+    and adds its class token and position embedding in its own code: under 2d those would
+    meet activations split over the grid. The refusal names them and the modes that run
+    the model (its attention and MLPs, nearly all of its weights, shard there)."""
+    errors = run_distributed(_vit_2d, 4, config=dict(parallel=dict(tensor=dict(size=4, mode="2d"))))
+    for err in errors:
+        assert err is not None, "ViT under 2d must be refused"
+        for name in ("class_token", "conv_proj.weight", "encoder.pos_embedding"):
+            assert name in err, err
+        assert "tensor mode '1d'" in err and "data parallelism" not in err, err

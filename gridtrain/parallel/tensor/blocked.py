@@ -102,15 +102,28 @@ def check_all_params_planned(plan: Plan, model: nn.Module) -> None:
         if e.layer
         for p in model.get_submodule(name).parameters()
     }
-    loose = [n for n, p in model.named_parameters() if id(p) not in covered]
+    params = dict(model.named_parameters())
+    loose = [n for n, p in params.items() if id(p) not in covered]
     if loose:
         more = f" ... and {len(loose) - 8} more" if len(loose) > 8 else ""
         raise PlanError(
             f"tensor mode {plan.mode!r} blocks every activation over the grid, so every parameter "
             f"must belong to a layer gridtrain shards (Linear, Embedding, a norm, "
-            f"gt.nn.PatchEmbedding); these do not: {', '.join(loose[:8])}{more}. "
-            f"{better_layout(model, sentence=True)}"
+            f"nn.MultiheadAttention, gt.nn.PatchEmbedding); these do not: "
+            f"{', '.join(loose[:8])}{more}. {_advice(model, params, loose)}"
         )
+
+
+def _advice(model: nn.Module, params: dict, loose: list[str]) -> str:
+    """Where few parameters are loose (a ViT's patch convolution, class token and position
+    embedding, used by the model's own code), the modes that keep them whole; else the
+    layout that suits a model of mostly other layers."""
+    if 2 * sum(params[n].numel() for n in loose) >= sum(p.numel() for p in params.values()):
+        return better_layout(model, sentence=True)
+    return (
+        "They are a small part of the model, used by its own code on whole activations: "
+        "tensor mode '1d' (which keeps them whole on every rank) or 'sequence' runs it"
+    )
 
 
 def blocked_mode(name: str, split_batch, loss, accuracy, **parts) -> TensorMode:
