@@ -172,21 +172,19 @@ def test_bad_compile_and_attention_keys_name_the_allowed_values():
 def test_the_criterion_is_compiled_unless_it_holds_collectives():
     from types import SimpleNamespace
 
-    from gridtrain.engine.compile import compile_criterion
+    from gridtrain.engine.compile import compile_criterion, compiled_by_gridtrain
 
     options = gt.Config.from_dict(dict(compile=dict(backend="aot_eager"))).compile
     plain = SimpleNamespace(tensor_mode=None, config=SimpleNamespace(chunked_loss=None))
     loss = torch.nn.CrossEntropyLoss()
     assert compile_criterion(loss, options, plain) is loss, "a module keeps its identity"
-    assert hasattr(loss.forward, "_torchdynamo_orig_callable"), "its forward is compiled"
+    assert compiled_by_gridtrain(loss), "its forward is compiled"
     x, y = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 4, 0])
     assert loss(x, y).item() == pytest.approx(F.cross_entropy(x, y).item(), rel=1e-12)
     fn = compile_criterion(_loss, options, plain)
     assert fn is not _loss and fn(x, y).item() == pytest.approx(_loss(x, y).item(), rel=1e-12)
     sharded = SimpleNamespace(tensor_mode="1d", config=plain.config)
     kept = torch.nn.CrossEntropyLoss()
-    assert not hasattr(
-        compile_criterion(kept, options, sharded).forward, "_torchdynamo_orig_callable"
-    )
+    assert not compiled_by_gridtrain(compile_criterion(kept, options, sharded))
     off = gt.Config.from_dict(dict(compile=dict(loss=False))).compile
     assert compile_criterion(_loss, off, plain) is _loss

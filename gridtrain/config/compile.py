@@ -1,5 +1,6 @@
 """``compile``: ``torch.compile`` per repeated block or of the whole model
-(``gridtrain.engine.compile``)."""
+(``gridtrain.engine.compile``). Unset, it is on for a CUDA device and off on the CPU
+(``gridtrain.engine.speed``); ``False`` keeps the model eager."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from gridtrain.config.section import SwitchSection
 
 class CompileConfig(SwitchSection):
     """``compile``: torch.compile per repeated block (``gridtrain.engine.compile``);
-    ``True`` takes the defaults."""
+    ``True`` takes the defaults, which a CUDA run also gets when the key is unset."""
 
     backend: str = Field(
         "inductor", description="torch.compile backend: inductor, aot_eager, eager, ..."

@@ -9,7 +9,7 @@ closest key. UPPER_CASE keys are free user constants, readable as attributes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -66,11 +66,20 @@ class Config(BaseModel):
     chunked_loss: ChunkedLossConfig | None = Field(
         None, description="LM head + cross entropy in token chunks; None: whole logits"
     )
-    compile: CompileConfig | None = Field(
-        None, description="torch.compile per transformer block; None: eager"
+    compile: CompileConfig | Literal[False] | None = Field(
+        None,
+        description="torch.compile per transformer block and the loss; None: on for a CUDA "
+        "device (compute capability 7.0+, Triton installed), eager on the CPU; False: eager",
     )
-    attention: AttentionConfig | None = Field(
-        None, description="SDPA kernel preference; None: torch's default choice"
+    attention: AttentionConfig | Literal[False] | None = Field(
+        None,
+        description="SDPA kernel preference; None: cuDNN first on compute capability 9.0+, "
+        "torch's own order elsewhere; False: torch's own order",
+    )
+    fused_optimizer: bool | None = Field(
+        None,
+        description="switch a torch Adam/AdamW/SGD built with neither fused nor foreach to "
+        "fused=True where torch has the kernel for its parameters; None: on a CUDA device only",
     )
     activation_checkpoint: ActivationCheckpointConfig | None = Field(
         None, description="recompute each block in the backward; None: keep activations"

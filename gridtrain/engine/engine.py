@@ -36,7 +36,7 @@ from gridtrain.engine.nonfinite import (
     fused_skip_target,
 )
 from gridtrain.engine.schedules import Schedule, StepFunctions
-from gridtrain.engine.sdpa import sdpa_context
+from gridtrain.engine.sdpa import attention_for, sdpa_context
 from gridtrain.gradient_handlers.base import GradientHandler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
@@ -88,7 +88,7 @@ class Engine:
         self.grad_sync = grad_sync  # engine/grad_sync.py: one per configuration
         self.autocast_dtype = autocast_dtype
         self.clip_grad_norm = ctx.config.clip_grad_norm
-        self._attention = getattr(ctx.config, "attention", None)
+        self._attention = attention_for(getattr(ctx.config, "attention", None), ctx.device)
         self.max_nonfinite_steps = getattr(ctx.config, "max_nonfinite_steps", 3)
         multi = ctx.world_size(ParallelMode.GLOBAL) > 1
         self.nonfinite = NonFiniteGuard(

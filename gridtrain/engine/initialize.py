@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from gridtrain.amp import convert_to_amp
-from gridtrain.engine.compile import compile_criterion, compile_model
+from gridtrain.engine.compile import compile_criterion, compile_model, compiled_by_gridtrain
 from gridtrain.engine.engine import Engine
+from gridtrain.engine.fused_optimizer import use_fused_kernels
 from gridtrain.engine.grad_sync import build_grad_sync
 from gridtrain.engine.recompute import apply_activation_checkpoint, block_types
 from gridtrain.engine.schedules import NonPipelineSchedule
+from gridtrain.engine.speed import resolve_speed
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.materialize import materialise
@@ -144,21 +146,20 @@ def initialize(
 
     Reads the context's config: the tensor mode and plan (``parallel.tensor``), pipeline
     stages (``parallel.pipeline``), mixed precision (``fp16``), ``gradient_handler``,
-    ``gradient_accumulation``, ``clip_grad_norm``, ``zero``, ``activation_checkpoint``, ``fp8``, ``compile`` and
-    ``attention``. A plain PyTorch or Hugging Face
-    model is sharded in place: its Linear, Embedding and norm layers become the mode's
-    layers under the same names, starting from the weights the model holds, and
-    ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where
-    the plan is traced, ``example_inputs`` (else the first batch of
-    ``train_dataloader``, else the model's ``dummy_inputs``, else an input built from the
-    model's entry layer) drives the trace on meta. ``adapter`` is the model library's
-    adapter (its plan, head checks and pipeline layers): ``gt.initialize`` passes
-    ``gridtrain.adapters.adapter_for(model)``, ``gridtrain.hf`` for a ``transformers`` model.
-    Parameters are then broadcast over their data-parallel group, so replicas start
-    equal. With ``zero``, the optimizer is then rebound once more, to the rows of each
-    parameter this rank owns (``gridtrain.parallel.zero``). The engine steps
-    ``lr_scheduler`` once per optimizer step; do not step it yourself. ``engine.plan`` shows the layout and each layer's style and
-    shard shape.
+    ``gradient_accumulation``, ``clip_grad_norm``, ``zero``, ``activation_checkpoint``,
+    ``fp8`` and the speed keys (unset: the device's defaults; ``engine.speed``). A plain
+    PyTorch or Hugging Face model is sharded in place: its Linear, Embedding and norm layers
+    become the mode's layers under the same names, starting from its weights, and
+    ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where the
+    plan is traced, ``example_inputs`` (else the first batch of ``train_dataloader``, else
+    the model's ``dummy_inputs``, else an input built from the model's entry layer) drives
+    the trace on meta. ``adapter`` is the model library's adapter (its plan, head checks and
+    pipeline layers): ``gt.initialize`` passes ``gridtrain.adapters.adapter_for(model)``,
+    ``gridtrain.hf`` for a ``transformers`` model. Parameters are then broadcast over their
+    data-parallel group, so replicas start equal. With ``zero``, the optimizer is then
+    rebound once more, to the rows of each parameter this rank owns. The engine steps
+    ``lr_scheduler`` once per optimizer step; do not step it yourself. ``engine.plan``
+    shows the layout and each layer's style and shard shape.
     """
     ctx = ctx or get_context()
     cfg = ctx.config
@@ -173,7 +174,7 @@ def initialize(
     model, optimizer, schedule = _keep_this_stage(model, optimizer, ctx, plan, adapter)
     if criterion is not None and isinstance(criterion, nn.Module):
         criterion.to(ctx.device)
-    model, optimizer, criterion, zero, autocast_dtype = _prepare_training(
+    model, optimizer, criterion, zero, autocast_dtype, speed = _prepare_training(
         model, optimizer, criterion, ctx, recompute
     )
     engine = Engine(
@@ -188,6 +189,7 @@ def initialize(
         plan=plan,
         zero=zero,
     )
+    engine.speed = speed
     return engine, train_dataloader, test_dataloader, lr_scheduler
 
 
@@ -216,11 +218,15 @@ def _keep_this_stage(model: nn.Module, optimizer, ctx: ParallelContext, plan: Pl
 
 def _prepare_training(model: nn.Module, optimizer, criterion, ctx: ParallelContext, recompute):
     """This rank's part of the model, ready to train: replicas made equal, then fp8,
-    activation checkpointing, compile, ZeRO and mixed precision, in the order each needs.
+    activation checkpointing, compile, ZeRO, mixed precision and fused optimizer kernels,
+    in the order each needs, as the speed keys resolve on this device (``Speed``, which
+    records what was compiled and fused).
 
-    Returns ``(model, optimizer, criterion, zero runtime or None, autocast dtype or None)``.
+    Returns ``(model, optimizer, criterion, zero runtime or None, autocast dtype or None,
+    speed)``.
     """
     cfg = ctx.config
+    speed = resolve_speed(cfg, ctx.device)
     broadcast_from_first_replica(model, ctx)
     if cfg.fp8 is not None:  # same parameters, float8 matmuls: before compile traces them
         from gridtrain.amp.fp8 import convert_to_fp8
@@ -228,9 +234,12 @@ def _prepare_training(model: nn.Module, optimizer, criterion, ctx: ParallelConte
         convert_to_fp8(model, cfg.fp8)
     if recompute is not None:  # inside compile's graphs, outside hooks
         apply_activation_checkpoint(model, cfg.activation_checkpoint, recompute, ctx.rng)
-    if cfg.compile is not None:  # the blocks' forwards; hooks added later stay outside
-        compile_model(model, cfg.compile, ctx)
-        criterion = compile_criterion(criterion, cfg.compile, ctx)
+    if speed.compile is not None:  # the blocks' forwards; hooks added later stay outside
+        speed.compiled = compile_model(model, speed.compile, ctx)
+        criterion = compile_criterion(criterion, speed.compile, ctx)
+        speed.compiled += ["criterion"] if compiled_by_gridtrain(criterion) else []
     zero = build_zero(model, optimizer, ctx)  # rebinds the optimizer to this rank's rows
     model, optimizer, autocast_dtype = convert_to_amp(model, optimizer, ctx, zero)
-    return model, optimizer, criterion, zero, autocast_dtype
+    if speed.fused_optimizer:  # the final parameters: shards, rows, masters, DTensors
+        speed.optimizer = use_fused_kernels(optimizer, ctx.device)
+    return model, optimizer, criterion, zero, autocast_dtype, speed

@@ -2,16 +2,21 @@
 
 torch picks SDPA's kernel per call from a fixed priority (flash, memory-efficient,
 math, with cuDNN last on most builds). On Hopper the cuDNN kernel is the fastest for
-training-sized heads, so the config can put it first. The kernel is chosen in the
-forward and its backward follows, so the forward region is all that needs the
-context. Torch falls back along the list when a kernel cannot take an input.
+training-sized heads, so an unset ``attention`` puts it first there (``attention_for``);
+below compute capability 9.0 torch's own order already starts with its fastest kernel.
+The kernel is chosen in the forward and its backward follows, so the forward region is
+all that needs the context. Torch falls back along the list when a kernel cannot take an
+input.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gridtrain.config.attention import HOPPER_ORDER, AttentionConfig
 
 _BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -19,10 +24,37 @@ _BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
+HOPPER = (9, 0)
+
+
+def capability_of(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``; None for any other device."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def attention_for(
+    option: AttentionConfig | bool | None,
+    device: torch.device,
+    capability: tuple[int, int] | None = None,
+) -> AttentionConfig | None:
+    """The ``attention`` section a forward on ``device`` uses: the config's own when given,
+    None (torch's order) for ``False``; unset, cuDNN first on a CUDA device of compute
+    capability 9.0 or more (``capability``: that of ``device`` unless given)."""
+    if option is False:
+        return None
+    if option is not None:
+        return option
+    if device.type != "cuda":
+        return None
+    if (capability or capability_of(device)) < HOPPER:
+        return None
+    return AttentionConfig(backends=list(HOPPER_ORDER))
 
 
 def sdpa_context(options) -> contextlib.AbstractContextManager:
     """The forward's kernel preference from the ``attention`` section (None: torch's own)."""
-    if options is None:
+    if not options:
         return contextlib.nullcontext()
     return sdpa_kernel([_BACKENDS[b] for b in options.backends], set_priority=True)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gridtrain.engine.compile import compile_seconds
 from gridtrain.engine.hooks import BaseHook
 from gridtrain.engine.metrics import MetricRecord
 from gridtrain.parallel.context import ParallelContext, get_context
@@ -61,7 +62,9 @@ class Trainer:
     State the hooks read and write: ``cur_epoch`` (epochs completed),
     ``cur_step`` (steps completed, counted over the whole run),
     ``steps_per_epoch``, ``total_epochs``, ``last_samples`` (samples this rank's
-    data-parallel replica drew in the last step) and ``states`` (a dict;
+    data-parallel replica drew in the last step), ``compile_s`` (seconds the first
+    step spent in torch.compile, shown in the progress bar; None until then and where
+    nothing is compiled) and ``states`` (a dict;
     ``states["metrics"][phase][name]`` is a :class:`MetricRecord`, phase =
     ``"train"`` or ``"test"``).
     """
@@ -80,6 +83,7 @@ class Trainer:
         self.steps_per_epoch = 0
         self.total_epochs = 0
         self.last_samples = 0
+        self.compile_s: float | None = None
         self.states: dict[str, Any] = {"metrics": {"train": {}, "test": {}}}
         self.hooks: list[BaseHook] = []
 
@@ -119,7 +123,23 @@ class Trainer:
         values: dict[str, float] = {}
         for hook in self.hooks:
             values.update(hook.step_metrics(self))
+        if self.compile_s is not None:
+            values["compile_s"] = self.compile_s
         return {k: f"{v:.4g}" for k, v in values.items()}
+
+    def _compile_clock(self) -> float | None:
+        """torch.compile's seconds so far, before the run's first step of a compiled engine."""
+        speed = getattr(self.engine, "speed", None)
+        if self.cur_step > 0 or speed is None or not speed.compiled:
+            return None
+        return compile_seconds()
+
+    def _note_compile(self, before: float | None) -> None:
+        if before is None:
+            return
+        self.compile_s = compile_seconds() - before
+        if self.ctx.global_rank == 0:
+            logger.info("first step: %.1f s in torch.compile", self.compile_s)
 
     def _wants_output(self, return_output_label: bool | None) -> bool:
         if return_output_label is not None:
@@ -204,7 +224,7 @@ class Trainer:
         with self._progress(self.steps_per_epoch, desc, display) as bar:
             for _ in range(self.steps_per_epoch):
                 self._call("before_train_iter")
-                before = data.samples
+                before, compiling = data.samples, self._compile_clock()
                 engine.zero_grad()
                 try:
                     output, label, loss = engine.execute_schedule(
@@ -213,6 +233,7 @@ class Trainer:
                 except StopIteration:  # a loader shorter than its len(): end the epoch
                     break
                 engine.step()
+                self._note_compile(compiling)
                 self.last_samples = data.samples - before
                 self.cur_step += 1
                 self._call("after_train_iter", output, label, loss)
