@@ -23,11 +23,17 @@ from gridtrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, ConfigError, quote
 from gridtrain.parallel.context import ParallelContext, set_context
 from gridtrain.parallel.gloo_threads import wait_for_idle_workers
 from gridtrain.parallel.random import seed_everything
+from gridtrain.parallel.staged_backend import NAME as STAGED
+from gridtrain.parallel.staged_backend import (
+    ensure_registered,
+    pick_backend,
+    ranks_per_gpu_notice,
+)
 
 logger = logging.getLogger("gridtrain")
 
 CONFIG_ENV = "GRIDTRAIN_CONFIG"  # set by `gridtrain run --config`
-BACKENDS = ("nccl", "gloo", "mpi")
+BACKENDS = ("nccl", "gloo", "mpi", STAGED)
 
 ConfigLike = Config | dict | str | Path
 _TEARDOWN: list[Callable[[], None]] = []
@@ -48,7 +54,9 @@ def launch(
 
     The config is validated (including every world-size check) before any
     process group is created, so a bad layout fails here on every rank instead
-    of hanging. ``backend=None`` picks nccl when CUDA is there, else gloo.
+    of hanging. ``backend=None`` picks nccl when CUDA is there with a GPU per rank of this
+    machine, ``"staged"`` when its ranks outnumber its GPUs (they share them, collectives
+    through gloo in host memory: ``gridtrain.parallel.staged_backend``), else gloo.
     ``timeout_s`` (default: the config's ``timeout_s``, 600) bounds every
     collective of every group: a rank left waiting for a stuck peer raises after it.
     """
@@ -56,18 +64,7 @@ def launch(
     cfg.check_world_size(world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA, which this machine lacks; use backend='gloo'")
-
-    if backend == "nccl":
-        local_rank = rank % torch.cuda.device_count() if local_rank is None else local_rank
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    backend, device = _backend_and_device(backend, rank, world_size, host, local_rank)
 
     timeout = timedelta(seconds=cfg.timeout_s)
     store = _rendezvous_store(host, port, rank, world_size, timeout)
@@ -91,6 +88,38 @@ def launch(
     if rank == 0:
         logger.info("launched %r", ctx)
     return ctx
+
+
+def _backend_and_device(
+    backend: str | None, rank: int, world_size: int, host: str, local_rank: int | None
+) -> tuple[str, torch.device]:
+    """The backend (``pick_backend``) and this rank's device: its GPU under nccl and
+    ``"staged"`` (shared by several ranks there), else the CPU."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, which this machine lacks; use backend='gloo'")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = _local_world_size(world_size, host)
+    backend = pick_backend(backend, local_world, gpus)
+    device = torch.device("cpu")
+    if backend in ("nccl", STAGED) and gpus:
+        local_rank = rank % gpus if local_rank is None else local_rank
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
+    if backend == STAGED:
+        ensure_registered()
+        if gpus and local_world is not None and local_world > gpus and local_rank == 0:
+            logger.warning("%s", ranks_per_gpu_notice(local_world, gpus))
+    return backend, device
+
+
+def _local_world_size(world_size: int, host: str) -> int | None:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE, else all of them where they
+    meet on loopback; None where unknown."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    return world_size if is_loopback(host) else None
 
 
 def _with_arguments(cfg: Config, timeout_s: float | None, seed: int) -> Config:
