@@ -17,18 +17,29 @@ from helpers.hf_moe import (
     FAMILIES,
     STEPS,
     adamw,
+    assert_rel_close,
     dense_moe_loss,
     expert_keys,
     moe_batches,
     moe_loss,
     tiny_moe,
 )
-from helpers.runs import assert_grads_close, engine_run, global_losses, reference_run
+from helpers.runs import engine_run, global_losses, reference_run
 
 COEF = 0.1  # router loss weight: large enough that a wrong router-loss gradient shows
 # float32 on both sides; the layouts differ by summation order (all-to-all partial sums, the
-# grouped matmul over other row blocks, the gathered router loss): measured <= 2e-6 relative
-TOL = dict(rtol=1e-5, atol=1e-6)
+# grouped matmul over other row blocks, the gathered router loss, ring attention): each
+# gradient and weight within 1e-5 of its tensor's scale (measured <= 4e-6)
+REL = 1e-5
+# A key bias (Qwen2-MoE's k_proj.bias) has a zero gradient in exact arithmetic (softmax is
+# shift-invariant along the keys): float32 leaves rounding noise (1e-10) that its own scale
+# cannot measure, and AdamW's updates of it are noise too; held to 1e-7 absolute instead
+# (the other weights' scale is 1e-2)
+NOISE_ONLY = ("k_proj.bias",)
+
+
+def _tol(key: str) -> dict:
+    return dict(rel=0.0, floor=1e-7) if key.endswith(NOISE_ONLY) else dict(rel=REL)
 
 
 def train_engine(ctx, family, batches, **model_kw):
@@ -43,7 +54,7 @@ def train_engine(ctx, family, batches, **model_kw):
         grad_steps=STEPS,
         example_inputs=batches[0][0],
     )
-    return run, {k: run.shares[k] for k in keys}
+    return run, {k: run.shares[k] for k in keys if k in run.shares}  # a stage's own
 
 
 def check_parity(family, world, config, ep, batches=None, **model_kw):
@@ -59,18 +70,15 @@ def check_parity(family, world, config, ep, batches=None, **model_kw):
     for rank, (run, held) in enumerate(results):
         assert held and all(share == 1 / ep for share in held.values()), (rank, held)
         for step in range(STEPS):
-            assert_grads_close(run.grads[step], ref, step, f"{family} {rank} {step}", **TOL)
+            assert set(run.grads[step]) <= set(ref.grads[step]), "the HF model's own keys"
+            for key, grad in run.grads[step].items():
+                want = ref.grads[step][key]
+                assert_rel_close(grad, want, f"{family} {rank} {step} {key}", **_tol(key))
         for key, value in run.state.items():
             assert value.shape == ref.state[key].shape, key  # the HF model's own dense keys
-            assert_close(value, ref.state[key], f"{family} rank {rank} {key}")
+            assert_rel_close(value, ref.state[key], f"{family} rank {rank} {key}", **_tol(key))
     assert global_losses(runs) == pytest.approx(ref.losses, rel=1e-5)
     return runs
-
-
-def assert_close(got, want, msg):
-    import torch
-
-    torch.testing.assert_close(got, want, msg=msg, **TOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -94,7 +94,7 @@ def shard_model(
 
     With ``chunked_loss`` the model's heads then return deferred logits (``chunked_loss.py``).
     """
-    experts = _spread_experts(model, optimizer, ctx, adapter)
+    experts = _prepare(model, optimizer, ctx, adapter)
     plan = build_plan(model, ctx, example, adapter)
     plan.experts = experts
     heads: dict = {}
@@ -120,13 +120,13 @@ def shard_model(
     return plan
 
 
-def _spread_experts(model: nn.Module, optimizer, ctx: ParallelContext, adapter):
-    """The adapter's experts spread over EXPERT (a library's MoE models, e.g. ``gridtrain.hf.moe``),
-    before the tensor plan, which then keeps them whole; their printable layout, or None."""
-    spread = getattr(adapter, "parallelize_experts", None)
-    if spread is None:
+def _prepare(model: nn.Module, optimizer, ctx: ParallelContext, adapter):
+    """The adapter's step before the tensor plan (``gridtrain.hf``: the experts of a MoE model
+    spread over EXPERT, which the plan then keeps whole); the printable expert layout, or None."""
+    prepare = getattr(adapter, "prepare_model", None)
+    if prepare is None:
         return None
-    new_of, layout = spread(model, ctx)
+    new_of, layout = prepare(model, ctx)
     rebind_optimizer(optimizer, new_of, ctx=ctx)
     return layout
 

@@ -31,7 +31,7 @@ from typing import Any
 from torch import nn
 
 from gridtrain.hf.load import PretrainedMismatchError, load_pretrained
-from gridtrain.hf.moe import parallelize_experts  # the adapter's expert step (hf/moe/)
+from gridtrain.hf.moe import parallelize_experts
 from gridtrain.hf.pipeline import pipeline_layers
 from gridtrain.hf.save import save_pretrained
 from gridtrain.parallel.context import ParallelContext
@@ -41,6 +41,7 @@ __all__ = [
     "after_apply",
     "load_pretrained",
     "parallelize_experts",
+    "prepare_model",
     "pipeline_layers",
     "plan_model",
     "save_pretrained",
@@ -60,6 +61,16 @@ def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[di
         model.config.architectures = [type(model).__name__]
     give_reset_parameters(model)  # gt.lazy_init: shards re-run the model's own init
     return plan, trace_example(example)
+
+
+def prepare_model(model: nn.Module, ctx: ParallelContext) -> tuple[dict, Any]:
+    """Before planning, in every layout: the model's experts spread over EXPERT
+    (``moe/``), a training forward without a key/value cache under activation
+    checkpointing (``training.py``). Returns ``parallelize_experts``' result."""
+    from gridtrain.hf.training import prepare_training
+
+    prepare_training(model, ctx)
+    return parallelize_experts(model, ctx)
 
 
 def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:

@@ -1,7 +1,7 @@
 """Mixture-of-experts ``transformers`` models, expert-parallel from ``moe.expert_parallel_size``.
 
-``gt.initialize`` calls ``parallelize_experts`` (through the adapter, before the tensor
-plan) for every Hugging Face model:
+``gt.initialize`` calls ``parallelize_experts`` (through ``gridtrain.hf.prepare_model``,
+before the tensor plan) for every Hugging Face model:
 
 * experts modules from the model's expert plan (``experts.py``) are spread over the
   EXPERT group, each rank holding ``num_experts / ep`` experts of each layer, and

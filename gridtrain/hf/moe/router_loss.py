@@ -46,7 +46,7 @@ def _hook(loss: RouterLoss | None, group):
     def hook(module: nn.Module, args: tuple, kwargs: dict, output):
         local = getattr(output, "aux_loss", None)
         logits = getattr(output, "router_logits", None)
-        if local is None or not logits:
+        if local is None or not logits or logits[0].is_meta:  # the planner's trace runs on meta
             return None
         if loss is None:
             _warn_local(module)
@@ -75,8 +75,16 @@ def global_aux_loss(
     gathered = comm.all_gather(torch.stack(logits), 1, group).unbind(0)  # [layers, rows, E]
     if mask is not None:
         mask = comm.all_gather(mask.reshape(-1), 0, group)
-    function = getattr(sys.modules[type(model).__module__], loss.function)
+    function = getattr(_modeling_module(model), loss.function)
     return function(gathered, getattr(model, loss.num_experts), getattr(model, loss.top_k), mask)
+
+
+def _modeling_module(model: nn.Module):
+    """The ``transformers`` module that defines ``model``'s class (ZeRO 3 swaps in a subclass)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return sys.modules[cls.__module__]
+    raise TypeError(f"{type(model).__name__} is no transformers model")
 
 
 def _argument(module: nn.Module, args: tuple, kwargs: dict, name: str):

@@ -234,9 +234,10 @@ class ModelAdapter(Protocol):
     def pipeline_layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The model's layers in execution order, for a pipeline to cut between."""
 
-    def parallelize_experts(self, model: nn.Module, ctx) -> tuple[dict[int, nn.Parameter], Any]:
-        """Optional, before planning: spread the model's experts over EXPERT; returns old
-        parameter id -> new parameter and a printable expert layout (``Plan.experts``)."""
+    def prepare_model(self, model: nn.Module, ctx) -> tuple[dict[int, nn.Parameter], Any]:
+        """Optional, before planning, in every layout: e.g. spread the model's experts over
+        EXPERT; returns old parameter id -> new parameter and a printable expert layout
+        (``Plan.experts``, None for none)."""
 
 
 def layout_of(ctx) -> dict[str, Any]:
