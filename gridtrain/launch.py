@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain import failure_record
-from gridtrain.config import MAX_SEED, MAX_TIMEOUT_S, Config, ConfigError, quote
+from gridtrain.config import CONFIG_ENV, MAX_SEED, MAX_TIMEOUT_S, Config, ConfigError, quote
 from gridtrain.parallel.context import ParallelContext, set_context
 from gridtrain.parallel.gloo_threads import wait_for_idle_workers
 from gridtrain.parallel.random import seed_everything
@@ -32,7 +32,6 @@ from gridtrain.parallel.staged_backend import (
 
 logger = logging.getLogger("gridtrain")
 
-CONFIG_ENV = "GRIDTRAIN_CONFIG"  # set by `gridtrain run --config`
 BACKENDS = ("nccl", "gloo", "mpi", STAGED)
 
 ConfigLike = Config | dict | str | Path

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gridtrain.cli.usage import UsageError
-from gridtrain.launch import CONFIG_ENV
+from gridtrain.config import CONFIG_ENV
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default
 # Forwarded to every ssh session besides GRIDTRAIN_CONFIG: the knobs people set in

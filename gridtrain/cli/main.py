@@ -8,11 +8,19 @@ exits with code 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 
-from gridtrain.cli import run, topo
 from gridtrain.cli.usage import UsageError
 from gridtrain.config import ConfigError
-from gridtrain.estimate import cli as estimate_cli
+
+# sub-command -> the module that adds its parser; only the one asked for is imported, so
+# `gridtrain run` starts its job without importing torch in the launcher process
+COMMANDS = {
+    "run": "gridtrain.cli.run",
+    "topo": "gridtrain.cli.topo",
+    "estimate": "gridtrain.estimate.cli",
+}
 
 EXAMPLES = """\
 examples:
@@ -31,8 +39,9 @@ examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``gridtrain`` argument parser with its ``run``, ``topo`` and ``estimate`` sub-commands."""
+def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``gridtrain`` argument parser with its ``run``, ``topo`` and ``estimate`` sub-commands
+    (only ``commands`` of them where given)."""
     parser = argparse.ArgumentParser(
         prog="gridtrain",
         description="Config-driven data, pipeline and tensor parallel training.",
@@ -40,9 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    run.add_parser(sub)
-    topo.add_parser(sub)
-    estimate_cli.add_parser(sub)
+    for name in commands or COMMANDS:
+        importlib.import_module(COMMANDS[name]).add_parser(sub)
     return parser
 
 
@@ -52,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     Usage errors and impossible layouts exit with code 2 and a one-line
     message, before any process is started.
     """
-    parser = build_parser()
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    parser = build_parser(words[:1] if words[:1] and words[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return args.handler(args)

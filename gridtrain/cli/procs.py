@@ -225,7 +225,7 @@ def run_local(argv: list[str], config: str) -> int:
     A signal sent to ``gridtrain run`` (SIGTERM, SIGINT, SIGHUP) reaches the
     launcher, which stops its workers; the exit code is then 128 + the signal.
     """
-    from gridtrain.launch import CONFIG_ENV
+    from gridtrain.config import CONFIG_ENV
 
     with Supervisor() as sup:
         code = sup.wait(sup.start(argv, env={**os.environ, CONFIG_ENV: config}))

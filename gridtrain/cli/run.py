@@ -29,8 +29,7 @@ from gridtrain.cli.hosts import (
 )
 from gridtrain.cli.procs import run_hosts, run_local
 from gridtrain.cli.usage import UsageError, load_config
-from gridtrain.config import ConfigError
-from gridtrain.launch import CONFIG_ENV
+from gridtrain.config import CONFIG_ENV, ConfigError
 
 DESCRIPTION = """\
 Start train.py on nproc_per_node processes per node through torch's elastic

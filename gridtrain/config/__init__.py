@@ -12,6 +12,7 @@ from gridtrain.config.activation_checkpoint import ActivationCheckpointConfig
 from gridtrain.config.attention import AttentionConfig
 from gridtrain.config.chunked_loss import ChunkedLossConfig
 from gridtrain.config.compile import CompileConfig
+from gridtrain.config.env import CONFIG_ENV
 from gridtrain.config.errors import ConfigError, quote
 from gridtrain.config.fp8 import Fp8Config
 from gridtrain.config.fp16 import AMP_TYPE, Fp16Config
@@ -29,6 +30,7 @@ from gridtrain.config.tensor import STYLES, TENSOR_MODES, TensorConfig
 from gridtrain.config.zero import ZeroConfig
 
 __all__ = [
+    "CONFIG_ENV",
     "AMP_TYPE",
     "GRADIENT_HANDLERS",
     "HANDLER_KWARGS",
