@@ -33,10 +33,12 @@ from torch import nn
 from gridtrain.hf.load import PretrainedMismatchError, load_pretrained
 from gridtrain.hf.moe import parallelize_experts
 from gridtrain.hf.pipeline import pipeline_layers
+from gridtrain.hf.reading import PretrainedFileError
 from gridtrain.hf.save import save_pretrained
 from gridtrain.parallel.context import ParallelContext
 
 __all__ = [
+    "PretrainedFileError",
     "PretrainedMismatchError",
     "after_apply",
     "load_pretrained",

@@ -9,6 +9,10 @@ raises on every rank, naming the first mismatching key and both shapes, so nothi
 half-loaded. Then each rank reads exactly its slices with ``get_slice`` (a packed
 split, such as GPT-2's fused q/k/v, is one slice per block) and copies them in.
 
+The directory is read as untrusted input (``reading``: only its own regular files, a FIFO or
+a path out of it refused by name) through one open descriptor (``pinned``), so a
+``save_pretrained`` that replaces it meanwhile cannot mix two exports.
+
 A weight tied in the model and saved once (GPT-2's ``lm_head.weight``) is read from the
 key it is tied to; non-persistent buffers that no checkpoint holds (rotary
 ``inv_freq``) are recomputed from the config, as ``transformers`` does.
@@ -16,16 +20,17 @@ key it is tied to; non-persistent buffers that no checkpoint holds (rotary
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor, nn
 
+from gridtrain.engine.checkpoint.pinned import pin
+from gridtrain.hf import reading
 from gridtrain.hf.patches import recompute_all_rotary
+from gridtrain.hf.reading import PretrainedFileError
 from gridtrain.hf.save import INDEX, SINGLE
 from gridtrain.hf.weights import (
     Entry,
@@ -45,20 +50,6 @@ class PretrainedMismatchError(ValueError):
     """The directory does not fit the model: a key is missing or a shape differs."""
 
 
-def weight_map(directory: Path) -> dict[str, str]:
-    """key -> file name, from the index or the single weight file."""
-    index = directory / INDEX
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = directory / SINGLE
-    if not single.is_file():
-        raise FileNotFoundError(
-            f"{directory} holds neither {INDEX} nor {SINGLE}: not a Hugging Face model directory"
-        )
-    with safe_open(str(single), "pt") as f:
-        return dict.fromkeys(f.keys(), SINGLE)
-
-
 @torch.no_grad()
 def load_pretrained(
     model: nn.Module, directory: str | os.PathLike, ctx: ParallelContext | None = None
@@ -69,19 +60,22 @@ def load_pretrained(
     model = unwrap(model)
     mine, aliases = entries(model, ctx)
     tied = _tied_keys(mine, aliases, ctx)  # collective (pipeline): before anything can fail
-    error, plan = None, []
-    try:
-        where = weight_map(directory)
-        plan, error = _check(mine, tied, where, directory)
-    except (OSError, ValueError, KeyError) as err:
-        error = f"cannot read {directory}: {err}"
-    agree_on_error(error, ctx, PretrainedMismatchError)
-    with ExitStack() as stack:
-        files = {}
-        for e, key, name in plan:
-            if name not in files:
-                files[name] = stack.enter_context(safe_open(str(directory / name), "pt"))
-            _load_entry(e, files[name], key, ctx)
+    with pin(directory, ctx) as (root, _), reading.opened(root, directory) as d:
+        with ExitStack() as stack:
+            error, kind, plan = None, PretrainedMismatchError, []
+            try:
+                where = reading.weight_map(d, INDEX, SINGLE)
+                plan, error = _check(mine, tied, where, d, stack)
+            except PretrainedFileError as err:
+                error, kind = str(err), PretrainedFileError
+            except (OSError, ValueError, KeyError) as err:
+                error = f"cannot read {directory}: {err}"
+            agree_on_error(error, ctx, kind)
+            handles = {}
+            for e, key, name in plan:
+                if name not in handles:
+                    handles[name] = d.safetensors(name, "the weight file", stack)
+                d.read(name, lambda: _load_entry(e, handles[name], key, ctx))  # noqa: B023
     recompute_all_rotary(model)
 
 
@@ -101,34 +95,33 @@ def _load_entry(e: Entry, f, key: str, ctx: ParallelContext | None) -> None:
         load_local(e.tensor, full, ctx)
 
 
-def _check(mine: list[Entry], tied, where: dict[str, str], directory: Path):
+def _check(mine: list[Entry], tied, where: dict[str, str], d: reading.Directory, stack):
     """(what to read: entry, checkpoint key, file; the first error or None)."""
     shapes: dict[str, tuple[int, ...]] = {}
     plan = []
-    with ExitStack() as stack:
-        handles = {}
-        for e in mine:
-            if e.tensor.is_meta:
-                return [], (
-                    f"'{e.key}' is on the meta device: call load_pretrained after gt.initialize "
-                    "(which allocates this rank's shards of a gt.lazy_init() model)"
-                )
-            key = e.key if e.key in where else _first(tied.get(e.key, ()), where)
-            if key is None:
-                missing = [x.key for x in mine if x.key not in where and not tied.get(x.key)]
-                return [], (
-                    f"'{e.key}' is missing from {directory} (first of {len(missing)} missing keys)"
-                )
-            name = where[key]
-            if name not in handles:
-                handles[name] = stack.enter_context(safe_open(str(directory / name), "pt"))
-            shapes[key] = tuple(handles[name].get_slice(key).get_shape())
-            if shapes[key] != e.shape:
-                return [], (
-                    f"shape mismatch at '{key}' (the first mismatching key): {directory} has "
-                    f"{shapes[key]}, the model has {e.shape}"
-                )
-            plan.append((e, key, name))
+    handles = {}
+    for e in mine:
+        if e.tensor.is_meta:
+            return [], (
+                f"'{e.key}' is on the meta device: call load_pretrained after gt.initialize "
+                "(which allocates this rank's shards of a gt.lazy_init() model)"
+            )
+        key = e.key if e.key in where else _first(tied.get(e.key, ()), where)
+        if key is None:
+            missing = [x.key for x in mine if x.key not in where and not tied.get(x.key)]
+            return [], (
+                f"'{e.key}' is missing from {d.where} (first of {len(missing)} missing keys)"
+            )
+        name = where[key]
+        if name not in handles:
+            handles[name] = d.safetensors(name, "the weight file", stack)
+        shapes[key] = d.read(name, lambda: tuple(handles[name].get_slice(key).get_shape()))  # noqa: B023
+        if shapes[key] != e.shape:
+            return [], (
+                f"shape mismatch at '{key}' (the first mismatching key): {d.where} has "
+                f"{shapes[key]}, the model has {e.shape}"
+            )
+        plan.append((e, key, name))
     return plan, None
 
 

@@ -10,10 +10,12 @@ ZeRO rows, FSDP2's DTensors, Gemini's rows, naive fp16's fp32 masters), one tens
 time, every rank of the stage joining its gathers, and the writer streams it to disk: no
 rank ever holds more than one dense tensor, never the model.
 
-Every file appears complete or not at all: it is written under a temporary name of ours
-beside it (``engine/checkpoint/files``: the next save removes one a crash left behind),
-synced and renamed over its target; weight files of an earlier save that the new one does
-not list are removed only once the new ones are in place.
+The export appears whole or not at all: every file is written into a temporary directory
+beside the target, which then replaces the whole directory in one rename (``export_dir``):
+a full disk, a crash or a failed rank leaves the previous export as it was, never old and
+new files side by side. A write that fails on any rank (a full disk says so, naming the
+directory) raises on every rank; the writer keeps joining the gathers meanwhile, so no
+rank hangs.
 
 The file is written by hand because ``safetensors.torch.save_file`` needs every tensor
 of a file in memory at once; the format is an 8-byte header length, a JSON header
@@ -23,22 +25,31 @@ raw little-endian bytes. ``safetensors.safe_open`` and ``transformers`` read it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
 import re
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gridtrain.engine.checkpoint import files as ckpt_files
-from gridtrain.hf.weights import DTYPES, Entry, current, entries, gather_objects, hf_config, world
+from gridtrain.engine.checkpoint.errors import disk_full
+from gridtrain.engine.checkpoint.writer import on_rank0, wait_pending
+from gridtrain.hf import export_dir
+from gridtrain.hf.weights import (
+    DTYPES,
+    Entry,
+    agree_on_error,
+    current,
+    entries,
+    gather_objects,
+    hf_config,
+    world,
+)
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.dense_state import dense_value
 from gridtrain.parallel.mode import ParallelMode
@@ -55,7 +66,8 @@ def save_pretrained(
 ) -> list[str]:
     """Write ``model`` (any layout; ``engine.model`` or the sharded HF model) as a Hugging Face
     directory that ``transformers``' ``from_pretrained`` and ``gridtrain.hf.load_pretrained``
-    load. Every rank calls it; returns the weight file names."""
+    load. Every rank calls it; returns the weight file names. The directory is replaced as a
+    whole (``export_dir``): files there that are not part of an export are kept."""
     ctx = current(ctx)
     config = hf_config(model)
     directory = Path(directory)
@@ -65,21 +77,60 @@ def save_pretrained(
     meta = [(e.key, e.shape, str(e.dtype), e.tie, e.nbytes) for e in mine]
     stages = gather_objects(meta, ctx, ParallelMode.PIPELINE)
     files = plan_files(stages, limit)
-    if _rank(ctx) == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        ckpt_files.clean_stale(directory)  # temporaries an interrupted save left
-    _barrier(ctx)
-    by_key = {e.key: e for e in mine}
-    for index, (name, file_stage, keys) in enumerate(files):
-        if file_stage == stage:  # every rank of the stage: ZeRO and FSDP2 gather over DATA
-            _write_file(directory / name, keys, by_key, stages[file_stage], ctx, index)
-    _barrier(ctx)
-    if _rank(ctx) == 0:
-        _write_index(directory, files, stages)
-        _remove_stale(directory, [name for name, _, _ in files])
-        _write_config(directory, config, model, stages)
-    _barrier(ctx)
+
+    wait_pending()  # an async save_checkpoint's temporary beside it is not stale
+
+    def start() -> str:
+        export_dir.check_target(directory)
+        return str(export_dir.make_temporary(directory))
+
+    tmp = Path(_on_rank0(start, ctx))
+    try:
+        by_key = {e.key: e for e in mine}
+        error = None
+        for index, (name, file_stage, keys) in enumerate(files):
+            if file_stage == stage:  # every rank of the stage: ZeRO and FSDP2 gather over DATA
+                failed = _write_file(tmp / name, keys, by_key, stages[file_stage], ctx, index)
+                error = error or failed
+        agree_on_error(_message(error, directory), ctx, OSError)
+
+        def finish() -> None:
+            _write_index(tmp, files, stages)
+            _write_config(tmp, config, model, stages)
+            export_dir.carry_over(directory, tmp)
+            export_dir.swap_in(tmp, directory)
+
+        _on_rank0(lambda: _full_disk(finish, directory), ctx)
+    except BaseException:
+        if _rank(ctx) == 0:
+            ckpt_files.remove_entry(tmp)
+        raise
     return [name for name, _, _ in files]
+
+
+def _message(error: OSError | None, directory: Path) -> str | None:
+    if error is None:
+        return None
+    full = disk_full(error, directory, "save_pretrained")
+    return str(full) if full is not None else f"save_pretrained: writing '{directory}': {error}"
+
+
+def _full_disk(fn, directory: Path):
+    """``fn()``; a full disk raised as an ``OSError`` that names ``directory`` and says so."""
+    try:
+        return fn()
+    except OSError as err:
+        full = disk_full(err, directory, "save_pretrained")
+        if full is None:
+            raise
+        raise full from err
+
+
+def _on_rank0(fn, ctx: ParallelContext | None):
+    """``fn()`` on global rank 0, its result or error on every rank (one process: just ``fn()``)."""
+    if world(ctx) == 1:
+        return fn()
+    return on_rank0(fn, ctx)
 
 
 def parse_size(size: int | str) -> int:
@@ -119,26 +170,34 @@ def plan_files(stages: list[list[tuple]], limit: int) -> list[tuple[str, int, li
     return [(name, stage, keys) for name, (stage, keys, _) in zip(names, files, strict=True)]
 
 
-def _write_file(path: Path, keys, by_key: dict[str, Entry], meta, ctx, index: int) -> None:
+def _write_file(
+    path: Path, keys, by_key: dict[str, Entry], meta, ctx, index: int
+) -> OSError | None:
     """Stream the dense tensors of ``keys`` into ``path`` (file ``index``): every rank of the
-    stage gathers each in turn, the file's writer writes it."""
+    stage gathers each in turn, the file's writer writes it. A write that fails (a full disk)
+    is returned, and the writer goes on joining the gathers without writing."""
     info = {key: (shape, dtype) for key, shape, dtype, _, _ in meta}
-    writing = _writes(ctx, index)
-    with ckpt_files.atomic_file(path, _rename) if writing else contextlib.nullcontext() as out:
-        if out is not None:
+    out, error = None, None
+    if _writes(ctx, index):
+        try:
+            out = open(path, "xb")  # noqa: SIM115 - closed below, whatever happens
             out.write(_header(keys, info))
-        for key in keys:
-            dense = dense_value(by_key[key].tensor, ctx)
-            if out is not None:
+        except OSError as err:
+            error = err
+    for key in keys:
+        dense = dense_value(by_key[key].tensor, ctx)
+        if out is not None and error is None:
+            try:
                 out.write(dense.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            del dense
-
-
-def _rename(tmp: Path, path: Path) -> None:
-    """Over whatever weight file is there: a Hugging Face directory is not a checkpoint of
-    ours (``files.replace`` would refuse it)."""
-    os.replace(tmp, path)
-    ckpt_files.fsync_dir(path.parent)
+            except OSError as err:
+                error = err
+        del dense
+    if out is not None:
+        try:
+            out.close()  # flushes: a full disk may only show here
+        except OSError as err:
+            error = error or err
+    return error
 
 
 def _header(keys: list[str], info: dict[str, tuple]) -> bytes:
@@ -166,8 +225,7 @@ def _write_index(directory: Path, files, stages) -> None:
     weight_map = {key: name for name, _, keys in files for key in keys}
     total = sum(sizes[k] for k in weight_map)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with ckpt_files.atomic_file(directory / INDEX, _rename) as out:
-        out.write((json.dumps(index, indent=2) + "\n").encode())
+    (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_config(directory: Path, config, model: nn.Module, stages) -> None:
@@ -180,37 +238,11 @@ def _write_config(directory: Path, config, model: nn.Module, stages) -> None:
         config.dtype = getattr(torch, floats[0].removeprefix("torch."))
     if getattr(config, "_attn_implementation_internal", None) == "gridtrain_ring":
         config._attn_implementation_internal = None  # a runtime choice of gridtrain's, not saved
-    # transformers' own writer, into a temporary directory of ours, then renamed file by file
-    prefix = ckpt_files.temp_prefix(directory / "config.json")
-    tmp = Path(tempfile.mkdtemp(dir=directory, prefix=prefix))
-    try:
-        config.save_pretrained(tmp)
-        for path in tmp.iterdir():
-            os.replace(path, directory / path.name)
-        ckpt_files.fsync_dir(directory)
-    finally:
-        ckpt_files.remove_entry(tmp)
-
-
-def _remove_stale(directory: Path, written: list[str]) -> None:
-    """Weight files of an earlier save into the same directory would confuse loaders (a
-    single ``model.safetensors`` is read before an index)."""
-    keep = {*written, INDEX} if len(written) > 1 else set(written)
-    for path in directory.iterdir():
-        ours = path.name == INDEX or re.fullmatch(
-            r"model(-\d{5}-of-\d{5})?\.safetensors", path.name
-        )
-        if ours and path.name not in keep:
-            path.unlink()
+    config.save_pretrained(directory)  # transformers' own writer
 
 
 def _rank(ctx: ParallelContext | None) -> int:
     return ctx.global_rank if ctx is not None and world(ctx) > 1 else 0
-
-
-def _barrier(ctx: ParallelContext | None) -> None:
-    if world(ctx) > 1:
-        dist.barrier(group=ctx.group(ParallelMode.GLOBAL))
 
 
 def _writes(ctx: ParallelContext | None, index: int) -> bool:

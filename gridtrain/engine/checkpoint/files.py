@@ -221,6 +221,17 @@ def _put_new(tmp: Path, path: Path) -> bool:
     return True
 
 
+def exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); False where the
+    system cannot."""
+    return _exchange(a, b)
+
+
+def put_new(tmp: Path, path: Path) -> bool:
+    """Rename ``tmp`` to ``path`` only while nothing is there; False if something is."""
+    return _put_new(tmp, path)
+
+
 def replace(tmp: Path, path: Path) -> None:
     """Put the finished ``tmp`` (file or directory) at ``path`` atomically.
 

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import torch.distributed as dist
+
 from gridtrain.engine.checkpoint.errors import CheckpointError
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
@@ -50,13 +52,13 @@ def _current(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _gather(obj, ctx: ParallelContext) -> list:
-    if ctx.world_size(ParallelMode.GLOBAL) == 1:
+def _gather(obj, ctx: ParallelContext | None) -> list:
+    if ctx is None or ctx.world_size(ParallelMode.GLOBAL) == 1 or not dist.is_initialized():
         return [obj]
     return comm.all_gather_object(obj, ctx.group(ParallelMode.GLOBAL))
 
 
-def agree(error: BaseException | None, ctx: ParallelContext) -> None:
+def agree(error: BaseException | None, ctx: ParallelContext | None) -> None:
     """Collective: raise on every rank if any rank has an ``error`` (its own on that rank;
     elsewhere the lowest failing rank's, as the same type where it is a ``CheckpointError``
     or ``OSError``), so no rank walks into a collective that the others left."""
@@ -72,7 +74,7 @@ def agree(error: BaseException | None, ctx: ParallelContext) -> None:
 
 
 @contextlib.contextmanager
-def pin(path: Path, ctx: ParallelContext) -> Iterator[tuple[Path, tuple[int, int]]]:
+def pin(path: Path, ctx: ParallelContext | None) -> Iterator[tuple[Path, tuple[int, int]]]:
     """Collective: every rank opens ``path`` and all hold the same file or directory; yields
     (a path naming exactly what was opened, its identity) while the block runs."""
     for attempt in range(ATTEMPTS):
