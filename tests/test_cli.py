@@ -171,7 +171,7 @@ def remote(host, node_rank, nnodes, master="node1", nproc=4, port=29500, exports
     return (
         f"cd '/work dir' && export {exports}GRIDTRAIN_CONFIG=/cfg/config.py && exec /py "
         f"-m gridtrain.cli.agent --nproc_per_node {nproc} --nnodes {nnodes} "
-        f"--node_rank {node_rank} --master_addr {master} --master_port {port} train.py --lr 0.1"
+        f"--node_rank {node_rank} --master_addr {master} --master_port {port} -- train.py --lr 0.1"
     )
 
 
@@ -242,7 +242,7 @@ def test_local_run_passes_an_absolute_config_and_the_child_exit_code(files, monk
         sys.executable,
         *TORCHRUN,
         *"--nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1".split(),
-        *"--master_port 1234 train.py --epochs 2".split(),
+        *"--master_port 1234 -- train.py --epochs 2".split(),
     ]
     assert seen["argv"][-len(want) :] == want, "run as given (after procs.die_with_parent)"
     assert seen["env"][CONFIG_ENV] == str(files / "config.py")
@@ -390,13 +390,13 @@ def test_elastic_options_reach_every_launcher(files):
     spec = spec_for([*argv, "--config", "config.py", "train.py"])
     command = torchrun_command(spec, "/py", 0)
     elastic = "--max-restarts 2 --monitor-interval 0.5 --rdzv-backend c10d"
-    assert f"--master_port 1234 {elastic} --rdzv-endpoint 127.0.0.1:1234 train.py" in " ".join(
+    assert f"--master_port 1234 {elastic} --rdzv-endpoint 127.0.0.1:1234 -- train.py" in " ".join(
         command
     ), "the c10d endpoint defaults to master_addr:master_port"
     argv = ["--host", "node1,node2", "--nproc_per_node", "2", "--max_restarts", "1"]
     cmds = host_commands([*argv, "--rdzv-id", "job7"])
     for _, ssh in cmds:
-        assert "--master_port 29500 --max-restarts 1 --rdzv-id job7 train.py" in ssh[-1]
+        assert "--master_port 29500 --max-restarts 1 --rdzv-id job7 -- train.py" in ssh[-1]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """``python -m gridtrain.cli.agent ARGS``: torch's elastic launcher (``torch.distributed.run ARGS``)
-with three changes.
+with four changes.
 
 - The rendezvous store listens on loopback only when the whole job is on this machine.
   torch's TCPStore server listens on every interface whatever ``--master_addr`` says. For a
@@ -12,6 +12,8 @@ with three changes.
   other rank, the rank that never arrived in a hang) instead of torch's per-rank failure
   table; the worker processes' own bookkeeping goes in a temporary report directory. A
   signal passed on by ``gridtrain run`` ends it with one line, not torch's traceback.
+- ``OPTIONS -- SCRIPT ARGS`` (how ``gridtrain run`` calls it): only ``OPTIONS SCRIPT`` is
+  parsed, ARGS go to the script untouched (torchrun would read ``--d 256`` as its own).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from gridtrain.cli import failures
+from gridtrain.cli.argv import after_separator
 from gridtrain.cli.procs import die_with_parent
 from gridtrain.failure_record import REPORT_DIR
 from gridtrain.launch import bind_loopback, is_loopback
@@ -38,10 +41,9 @@ from gridtrain.launch import bind_loopback, is_loopback
 _KEEP: list[object] = []  # the pre-bound store must outlive the rendezvous (a weak cache)
 
 
-def bind_store_to_loopback(argv: list[str]) -> bool:
-    """Host the agent's store on loopback if ``argv`` (torchrun's arguments) is a one-node run
+def bind_store_to_loopback(args) -> bool:
+    """Host the agent's store on loopback if ``args`` (torchrun's, parsed) is a one-node run
     on a loopback address; returns whether it did."""
-    args = torchrun.get_args_parser().parse_args(argv)
     local = str(args.nnodes) in ("1", "1:1") and args.rdzv_backend == "static"
     if args.standalone or not local or not is_loopback(args.master_addr):
         return False
@@ -76,6 +78,18 @@ def _workers_die_with_agent(config_from_args):
     return wrapped
 
 
+def _torchrun_args(argv: list[str]):
+    """torchrun's parsed arguments; from ``gridtrain run`` (``OPTIONS -- SCRIPT ARGS``) only
+    ``OPTIONS SCRIPT`` is parsed and ARGS reach the script as they are (``cli/argv``)."""
+    split = after_separator(argv)
+    if split is None:
+        return torchrun.parse_args(argv)
+    head, tail = split
+    args = torchrun.parse_args(head)
+    args.training_script_args = tail
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     report_dir = tempfile.mkdtemp(prefix="gridtrain-run-")
@@ -85,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
     torchrun.config_from_args = _workers_die_with_agent(torchrun.config_from_args)
     try:
-        bind_store_to_loopback(argv)
-        torchrun.main(argv)
+        args = _torchrun_args(argv)
+        bind_store_to_loopback(args)
+        torchrun.run(args)
     except ChildFailedError as err:
         try:
             text = failures.summarize(err.failures, Path(report_dir))

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gridtrain.cli.argv import SEPARATOR
 from gridtrain.cli.usage import UsageError
 from gridtrain.config import CONFIG_ENV
 
@@ -170,6 +171,7 @@ def torchrun_command(spec: RunSpec, python: str, node_rank: int) -> list[str]:
         "--master_port",
         str(spec.master_port),
         *spec.elastic,
+        SEPARATOR,  # everything after the script is the script's (cli/argv)
         spec.script,
         *spec.script_args,
     ]

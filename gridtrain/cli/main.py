@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from gridtrain.cli.argv import split_at_script
 from gridtrain.cli.usage import UsageError
 from gridtrain.config import ConfigError
 
@@ -54,15 +55,29 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The parsed command line; ``run``'s is cut at the script (``cli/argv``), so no argument
+    of the script is ever read as one of ``gridtrain run``'s."""
+    if argv[:1] != ["run"]:
+        return parser.parse_args(argv)
+    from gridtrain.cli.run import FLAGS  # build_parser imported it already
+
+    head, tail = split_at_script(argv[1:], FLAGS)
+    args = parser.parse_args(["run", *head])
+    args.script_args = tail
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``gridtrain`` console script; returns the exit code.
 
     Usage errors and impossible layouts exit with code 2 and a one-line
     message, before any process is started.
     """
-    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    words = [a for a in argv if not a.startswith("-")]
     parser = build_parser(words[:1] if words[:1] and words[0] in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         return args.handler(args)
     except (UsageError, ConfigError) as err:

@@ -46,6 +46,8 @@ GRIDTRAIN_CONFIG, so the script calls gridtrain.launch_from_torch() with no
 argument. Everything after the script name is passed to the script.
 """
 
+FLAGS = ("--dry-run", "--help", "-h")  # run's options that take no value (cli/argv)
+
 HOSTFILE_HELP = """\
 hostfile: one host per line, '#' starts a comment, an optional 'slots=N' after
 the host is accepted and ignored (every node runs --nproc_per_node processes).
