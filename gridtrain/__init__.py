@@ -8,6 +8,8 @@ then ``gt.initialize(...)`` behaves as an eager import would.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
 from gridtrain.third_party_logs import drop_known_notices
@@ -79,6 +81,19 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``gridtrain.launch`` binds it on this package, over the
+    function ``gt.launch`` an eager import gave: keep the function there."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "launch" and isinstance(value, types.ModuleType):
+            value = value.launch
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # the names as an eager import gives them, for type checkers and IDEs
