@@ -1,10 +1,18 @@
-"""MoE against dense: training tokens/s of the WideNet ViT-MoE and of the same network with a
-dense MLP of the same *active* width (top_k x ffn), so both do about the same FLOPs per token.
+"""MoE against dense: training tokens/s of a mixture-of-experts model and of the same network
+with a dense MLP of the same *active* width (top_k x ffn), so both do about the same FLOPs
+per token. Two models (``--model``):
 
-    python benchmarks/moe_throughput.py                 # CPU always, plus CUDA when present
+* ``widenet``: the WideNet ViT-MoE written with ``gt.nn``'s ``MoeLayer`` (below);
+* ``mixtral``: a Hugging Face ``MixtralForCausalLM`` (8 experts, top 2, built from its config,
+  no download) against ``MistralForCausalLM`` with ``intermediate_size = top_k x`` the
+  experts' (``benchmarks/moe_hf.py``): plain PyTorch loops and ``gt.initialize`` at
+  ``moe.expert_parallel_size`` 1 in the same run, the whole models in bf16.
+
+    python benchmarks/moe_throughput.py                 # widenet: CPU always, plus CUDA
     python benchmarks/moe_throughput.py --device cpu --steps 3 --hidden 64 --depth 2
     python benchmarks/moe_throughput.py --device cuda --matmul grouped_mm bmm
     python benchmarks/moe_throughput.py --device cuda --compile
+    python benchmarks/moe_throughput.py --model mixtral --device cuda
 
 One process, all experts local (expert parallelism 1): what it measures is the
 cost of routing, dispatch/combine and the expert matmuls, for each MoE dispatch:
@@ -34,7 +42,9 @@ from gridtrain.parallel.moe import expert_load  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("widenet", "mixtral"), default="widenet")
     parser.add_argument("--device", choices=("all", "cpu", "cuda"), default="all")
+    parser.add_argument("--seq", type=int, default=None, help="mixtral: tokens per sequence")
     parser.add_argument("--batch", type=int, default=None, help="images per step")
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--depth", type=int, default=None)
@@ -152,6 +162,10 @@ def bench(device: str, args) -> list[tuple]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.model == "mixtral":
+        from benchmarks.moe_hf import run_mixtral
+
+        return run_mixtral(args)
     devices = ["cpu"] if args.device in ("all", "cpu") else []
     if args.device in ("all", "cuda"):
         if torch.cuda.is_available():

@@ -58,6 +58,14 @@ def check_moe(out):
         assert 0 <= float(row[6]) < 1  # dropped fraction
 
 
+def check_moe_hf(out):
+    for loop in ("plain", "engine"):
+        assert _row(out, "cpu", "dense", loop)[-1] == "1.00"  # the reference column
+        moe = _row(out, "cpu", "moe", loop)
+        assert _num(moe[-2]) > 0 and _num(moe[-1]) > 0  # tokens/s, vs dense
+        assert _num(moe[4]) < _num(moe[3])  # active < total parameters
+
+
 def check_zero_memory(out):
     totals = {}
     for stage in range(4):
@@ -171,6 +179,11 @@ CASES = {
         ["benchmarks/moe_throughput.py", "--device", "cpu", "--steps", "2", "--rounds", "1"]
         + ["--hidden", "64", "--depth", "2"],
         check_moe,
+    ),
+    "moe_throughput_mixtral": (
+        ["benchmarks/moe_throughput.py", "--model", "mixtral", "--device", "cpu"]
+        + ["--steps", "1", "--rounds", "1"],
+        check_moe_hf,
     ),
     "zero_memory": (
         ["benchmarks/zero_memory.py", "--quick", "--ranks", "2"],

@@ -21,7 +21,13 @@ import logging
 
 from torch import nn
 
-from gridtrain.hf.moe.experts import Placement, check_experts, expert_modules, spread
+from gridtrain.hf.moe.experts import (
+    Placement,
+    check_experts,
+    expert_modules,
+    keep_whole,
+    spread,
+)
 from gridtrain.hf.moe.families import family_of
 from gridtrain.hf.moe.layout import ExpertTable
 from gridtrain.hf.moe.router_loss import install_router_loss
@@ -56,7 +62,7 @@ def parallelize_experts(
         module = model.get_submodule(name)
         num = check_experts(name, module, per_expert, ep)
         if ep == 1:
-            module.gt_parallel = True  # planned whole; the model's own forward runs
+            keep_whole(module, num)  # planned whole; grouped GEMMs where the device has them
             continue
         places[name], moved = spread(name, module, num, ctx, init)
         new_of.update(moved)

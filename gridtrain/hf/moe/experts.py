@@ -13,9 +13,11 @@ those modules (``ep_dispatch_experts``) and tensors (``grouped_gemm``). For each
 * the module's class becomes a subclass whose forward dispatches: the router's choices
   become an ``Assignment`` (``topk_assignment``) and go through the one grouped dispatch
   (``parallel.moe.dispatch``: counts, then rows, by all-to-all over EXPERT, dropless);
-  the rows a rank receives run through the module's own forward, on its local experts,
-  as a top-1 choice of weight 1 (the model's own kernel: eager, ``grouped_mm`` or
-  ``batched_mm``); the gates are applied when the rows are back;
+  the rows a rank receives run on its local experts (``grouped.py``: grouped GEMMs on
+  the module's tensors on Hopper in bf16, else the module's own forward, as top-1
+  choices of weight 1); the gates are applied when the rows are back. At ep 1 the same
+  forward runs with every expert local (no all-to-all, no host sync), or, without
+  grouped GEMMs, the model's own forward as it is;
 * the router, shared experts and everything else in the block stay the model's code.
 
 Gradient scale: an expert's gradient on a rank sums the tokens of its whole EXPERT group,
@@ -34,10 +36,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from gridtrain.hf.moe.grouped import LocalExperts
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.moe.dispatch import grouped_dispatch
-from gridtrain.parallel.moe.experts import scale_grad
 from gridtrain.parallel.moe.router import topk_assignment
 from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
@@ -149,6 +151,13 @@ def spread(
     return place, new_of
 
 
+def keep_whole(module: nn.Module, num: int) -> None:
+    """At ep 1: every expert stays on this rank, dispatched by the same forward (grouped
+    GEMMs where the device has them, else the model's own)."""
+    module.gt_experts = Placement(num, 1, 0)
+    module.__class__ = _dispatching(type(module))
+
+
 def _reset_with(init):
     def reset_parameters(self: nn.Module) -> None:
         with torch.no_grad():
@@ -158,7 +167,8 @@ def _reset_with(init):
 
 
 class ExpertParallel:
-    """Mixed into an experts module's class by ``spread``: the dispatching forward."""
+    """Mixed into an experts module's class by ``spread`` / ``keep_whole``: the dispatching
+    forward. At ep 1 without grouped GEMMs (the CPU) it is the model's own forward."""
 
     gt_parallel = True  # the tensor planner keeps the module whole and never traces inside
     gt_experts: Placement
@@ -170,8 +180,12 @@ class ExpertParallel:
                 f"{tuple(hidden_states.shape)}"
             )
         place = self.gt_experts
+        eager = super().forward
+        experts = LocalExperts(self, eager, place.local, place.ep)
+        if place.ep == 1 and not experts.uses_grouped_mm(hidden_states):
+            return eager(hidden_states, top_k_index, top_k_weights)
         a = topk_assignment(top_k_index, top_k_weights, place.num_experts)
-        out, _ = grouped_dispatch(hidden_states, a, LocalExperts(self), place.group, place.ep)
+        out, _ = grouped_dispatch(hidden_states, a, experts, place.group, place.ep)
         return out
 
 
@@ -186,29 +200,3 @@ def _dispatching(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
     return _CLASSES[cls]
-
-
-class LocalExperts:
-    """The dispatch's view of this rank's experts of one module (``GroupedExperts``): rows
-    sorted by local expert run through the module's own forward as top-1 choices of weight 1."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.num_local_experts = module.gt_experts.local
-
-    def uses_grouped_mm(self, x: Tensor) -> bool:
-        return False  # the rows cross ranks: their counts are on the host already
-
-    def forward_grouped(self, x: Tensor, counts: Tensor, max_count: int | None) -> Tensor:
-        local = torch.arange(self.num_local_experts, device=x.device)
-        expert = torch.repeat_interleave(local, counts, output_size=x.shape[0])
-        if x.shape[0] == 0:  # no rows: one zero row keeps weights and rows in the graph
-            return self._run(x.sum(0, keepdim=True), expert.new_zeros(1))[:0]
-        return self._run(x, expert)
-
-    def _run(self, x: Tensor, expert: Tensor) -> Tensor:
-        ep = float(self.module.gt_experts.ep)
-        x = scale_grad(x, ep)
-        weight = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        y = super(ExpertParallel, self.module).forward(x, expert.unsqueeze(1), weight)
-        return scale_grad(y, 1.0 / ep)

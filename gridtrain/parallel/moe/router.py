@@ -67,7 +67,7 @@ def topk_assignment(index: Tensor, weights: Tensor, num_experts: int) -> Assignm
     (what a Hugging Face MoE block hands its experts). Nothing is dropped (no capacity) and
     no loss is recorded (the model computes its own); choices are ordered as ``assign``
     orders them, and the slots come from one stable sort instead of a ``[choices, experts]``
-    one-hot (a DeepSeek-sized router has hundreds of experts)."""
+    one-hot (a DeepSeek-sized router has hundreds of experts); no step waits for the host."""
     if index.dim() != 2 or weights.shape != index.shape:
         raise ValueError(
             f"top-k routing must be index and weights of one shape [tokens, k], got "
@@ -76,10 +76,13 @@ def topk_assignment(index: Tensor, weights: Tensor, num_experts: int) -> Assignm
     num_tokens, k = index.shape
     expert, gate = index.t().reshape(-1), weights.t().reshape(-1)
     order = torch.argsort(expert, stable=True)  # by expert, then choice: each queue in order
-    load = torch.bincount(expert, minlength=num_experts)
-    start = torch.cumsum(load, 0) - load
-    slot = torch.empty_like(expert)
-    slot[order] = torch.arange(expert.numel(), device=expert.device) - start[expert[order]]
+    queued = expert.index_select(0, order)
+    # each expert's first and last place in the queue order (not bincount: on CUDA it asks
+    # the host for the largest index, a sync per layer)
+    bounds = torch.searchsorted(queued, torch.arange(num_experts + 1, device=expert.device))
+    load, start = bounds.diff(), bounds[:-1]
+    place = torch.arange(expert.numel(), device=expert.device) - start.index_select(0, queued)
+    slot = torch.empty_like(expert).scatter_(0, order, place)
     token = torch.arange(num_tokens, device=index.device).repeat(k)
     zero = weights.new_zeros((), dtype=torch.float32)
     return Assignment(token, expert, slot, gate, None, zero, zero, load)
