@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from gridtrain.third_party_logs import drop_known_notices
 
-# public name -> the module that defines it (a module itself where the name is a submodule)
+# public name -> the module that defines it (or is it, for _SUBMODULES)
 _EXPORTS = {
     "data": "gridtrain.data",
     "nn": "gridtrain.nn",
@@ -41,6 +41,7 @@ _EXPORTS = {
     "ParallelMode": "gridtrain.parallel.mode",
     "PlanError": "gridtrain.parallel.tensor.plan",
 }
+_SUBMODULES = {"data", "nn"}  # names that are modules themselves (gt.launch is a function)
 __all__ = [
     "CheckpointError",
     "Config",
@@ -74,7 +75,7 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'gridtrain' has no attribute {name!r}")
     loaded = importlib.import_module(module)
-    value = loaded if module == f"gridtrain.{name}" else getattr(loaded, name)
+    value = loaded if name in _SUBMODULES else getattr(loaded, name)
     globals()[name] = value  # later lookups skip this function
     return value
 
