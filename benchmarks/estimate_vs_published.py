@@ -4,8 +4,15 @@ memory figures, and our own GPT-2 step times on one H200.
     python benchmarks/estimate_vs_published.py              # print the three tables
     python benchmarks/estimate_vs_published.py --append     # and append them to RESULTS.md
     python benchmarks/estimate_vs_published.py --search-speed   # how long --search takes
+    python benchmarks/estimate_vs_published.py --measure --out DIR   # GPU: measured vs estimated
 
-No process, no GPU: every number on our side comes from ``gridtrain.estimate``.
+No process, no GPU: every number on our side comes from ``gridtrain.estimate``; except with
+``--measure`` (one GPU, < 4 minutes on an H200): each row runs one rank of its layout for real
+(``gridtrain.estimate.measure``: the estimate's own model through ``gt.initialize``, the other
+ranks a fake process group) and writes the measured step and memory beside the estimate to
+``DIR/estimate_measured.md`` and ``.json``: GPT-2 124M and 350M at batch 16 x 1024 in bf16,
+eager (``compile = False``) and with the device's speed defaults (compile, cuDNN attention,
+fused AdamW), and one rank of four multi-rank layouts of GPT-2 350M (memory by category).
 
 **Narayanan et al. 2021**, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT models with vocabulary
@@ -129,9 +136,7 @@ def zero_rows() -> list[tuple]:
         for stage in (0, 1, 2, 3):
             sc = Scenario(world=nd, amp="naive", zero=stage)
             st = estimate(spec, sc, device).stages[0].states
-            held = st.weights + st.grads + st.master_weights + st.moments
-            held += st.master_grads if stage == 2 else 0
-            ours.append(held / 1e9)
+            ours.append(st.resident / 1e9)
         rows.append((nd, paper, ours))
     return rows, spec.num_params()
 
@@ -209,11 +214,77 @@ def search_speed() -> str:
     return "\n".join(out)
 
 
+# (name, preset, world, config): the rows of --measure
+MEASURED = [
+    ("gpt2-124m eager", "gpt2-124m", 1, {"compile": False}),
+    ("gpt2-124m default", "gpt2-124m", 1, {}),
+    ("gpt2-350m eager", "gpt2-350m", 1, {"compile": False}),
+    ("gpt2-350m default", "gpt2-350m", 1, {}),
+    ("gpt2-350m dp8 zero3 acc2", "gpt2-350m", 8,
+     {"compile": False, "zero": {"stage": 3}, "gradient_accumulation": 2}),
+    ("gpt2-350m dp8 zero2 acc2", "gpt2-350m", 8,
+     {"compile": False, "zero": {"stage": 2}, "gradient_accumulation": 2}),
+    ("gpt2-350m 1d4 x dp2", "gpt2-350m", 8,
+     {"compile": False, "parallel": {"tensor": {"size": 4, "mode": "1d"}}}),
+    ("gpt2-350m pp2 m8 zero1", "gpt2-350m", 8,
+     {"compile": False, "parallel": {"pipeline": 2}, "num_microbatches": 8, "zero": {"stage": 1}}),
+]  # fmt: skip
+
+
+def measured_rows(out_dir: Path) -> str:
+    """Run every ``MEASURED`` row's rank on this GPU; the table, also written to ``out_dir``."""
+    import json
+
+    import torch
+
+    from gridtrain.config import Config
+    from gridtrain.estimate.measure import compute_s, measure
+
+    device = get_device("h200-141g")
+    head = ["| layout | est. compute ms | measured ms | ratio | est. GiB | measured GiB (alloc) | "
+            "ratio | params / grads / optim / acts GiB, est. / measured |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows, records = list(head), []
+    for name, preset, world, extra in MEASURED:
+        cfg = Config.from_dict({"fp16": {"mode": "bf16"}, **extra})
+        spec = dataclasses.replace(get_model(preset), dropout=0.0)
+        sc = Scenario.from_config(cfg, world, micro_batch=16 if world == 1 else 4)
+        est = estimate(spec, sc, device)
+        m = measure(est, cfg, steps=10, warmup=3)
+        st, cats = est.worst.states.device, m.categories
+        want = (st["parameters"], st["gradients"], st["optimizer_state"],
+                est.worst.activations.in_flight)  # fmt: skip
+        got = (cats.get("parameters", 0), cats.get("gradients", 0),
+               cats.get("optimizer_state", 0), cats.get("activations", 0))  # fmt: skip
+        gib = 2**30
+        by = " ".join(f"{a / gib:.2f}/{b / gib:.2f}" for a, b in zip(want, got))
+        e_ms, e_mem = compute_s(est) * 1e3, est.memory - est.reserved
+        rows.append(f"| {name} | {e_ms:.1f} | {m.step_s * 1e3:.1f} | {m.step_s * 1e3 / e_ms:.2f} | "
+                    f"{e_mem / gib:.2f} | {m.peak_allocated / gib:.2f} | "
+                    f"{m.peak_allocated / e_mem:.2f} | {by} |")  # fmt: skip
+        records.append({"name": name, "world": world, "config": extra, "estimated_s": e_ms / 1e3,
+                        "measured_s": m.step_s, "estimated_bytes": e_mem,
+                        "peak_allocated": m.peak_allocated, "peak_reserved": m.peak_reserved,
+                        "skipped": m.skipped, "estimated": dict(st, activations=want[3]),
+                        "measured": cats})  # fmt: skip
+        print(rows[-1], flush=True)
+    text = f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n".join(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "estimate_measured.md").write_text(text + "\n")
+    (out_dir / "estimate_measured.json").write_text(json.dumps(records, indent=1))
+    return text
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--append", action="store_true", help="append the tables to RESULTS.md")
     parser.add_argument("--search-speed", action="store_true", help="time --search instead")
+    parser.add_argument("--measure", action="store_true", help="GPU: measured vs estimated")
+    parser.add_argument("--out", default=".", help="--measure: where its tables go")
     args = parser.parse_args(argv)
+    if args.measure:
+        print(measured_rows(Path(args.out)))
+        return
     if args.search_speed:
         print(search_speed())
         return

@@ -17,13 +17,17 @@ import argparse
 import dataclasses
 import sys
 
+import torch
+
 from gridtrain.config import Config, ConfigError
+from gridtrain.estimate.config_keys import base_of
 from gridtrain.estimate.devices import DeviceError, GiB, get_device
 from gridtrain.estimate.estimator import estimate
+from gridtrain.estimate.measure import NO_GPU, format_measured, measure
 from gridtrain.estimate.model_files import get_model
 from gridtrain.estimate.models import PRESETS, ModelError
 from gridtrain.estimate.report import does_not_fit, dumps, format_estimate
-from gridtrain.estimate.scenario import EstimateError, Scenario, amp_of
+from gridtrain.estimate.scenario import EstimateError, Scenario
 from gridtrain.estimate.search import SearchOptions, format_search, search
 
 
@@ -66,10 +70,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="ZeRO optimizer states (stage 3: everything) on the host",
     )
-    p.add_argument("--recompute", choices=("none", "full"), default="none",
-                   help="activation recompute per block (what-if; gridtrain runs without)")  # fmt: skip
-    p.add_argument("--attention", choices=("flash", "math"), default="flash",
-                   help="fused SDPA kernels (default) or unfused attention keeping the scores")  # fmt: skip
+    p.add_argument("--recompute", choices=("none", "full"),
+                   help="activation checkpointing of every block (default: the config's "
+                   "activation_checkpoint, which gridtrain runs; this overrides it)")  # fmt: skip
+    p.add_argument("--attention", choices=("flash", "math"),
+                   help="fused SDPA kernels or unfused attention keeping the scores (default: "
+                   "the config's attention.backends, fused unless math comes first)")  # fmt: skip
     dev = p.add_argument_group("device overrides")
     dev.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s")
     dev.add_argument("--memory-gb", type=float, help="memory per device, GiB")
@@ -81,7 +87,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--search", action="store_true", help="rank every layout that fits")
     s.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     s.add_argument("--modes", default="none,1d,2d,2.5d,3d,sequence", help="tensor modes to try")
+    s.add_argument("--headroom", type=float, default=0.10, metavar="F",
+                   help="share of device memory a pick leaves free (default 0.10)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--measure", action="store_true",
+                   help="also run one rank of the layout (with --search: the best pick) on this "
+                   "machine's GPU, the other ranks a fake process group (no communication); "
+                   "print its compute time and peak memory beside the estimate")  # fmt: skip
     p.set_defaults(handler=run, parser=p)
     return p
 
@@ -111,6 +123,8 @@ def _config(path: str | None) -> Config:
 def run(args: argparse.Namespace) -> int:
     """Run ``gridtrain estimate``; returns the exit code (see the module docstring)."""
     try:
+        if args.measure and not torch.cuda.is_available():
+            raise EstimateError(NO_GPU)
         cfg = _config(args.config)
         spec = get_model(args.model, args.seq_len)
         if args.pad_vocab:
@@ -135,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gridtrain estimate: error: {err}", file=sys.stderr)
         return 2
     print(dumps(est) if args.json else format_estimate(est))
+    if args.measure:
+        print("\n" + format_measured(est, measure(est, cfg)))
     if not est.fits:
         print(f"\n{does_not_fit(est)}", file=sys.stderr if args.json else sys.stdout)
         return 1
@@ -145,20 +161,18 @@ def _search(args, cfg: Config, spec, device) -> int:
     batch = args.global_batch or cfg.user_constants().get("GLOBAL_BATCH_SIZE")
     if batch is None:
         raise EstimateError("--search needs --global-batch (or GLOBAL_BATCH_SIZE in the config)")
-    base = Scenario(
-        world=args.world_size,
-        amp=amp_of(cfg),
-        clip=cfg.clip_grad_norm > 0,
-        partition=cfg.parallel.pipeline.partition,
-        recompute=args.recompute,
-        attention=args.attention,
-    )
+    if not 0 <= args.headroom < 1:
+        raise EstimateError(f"--headroom must be in [0, 1), got {args.headroom}")
+    base = base_of(cfg, args.world_size, recompute=args.recompute, attention=args.attention)
     options = SearchOptions(
         modes=tuple(None if m == "none" else m for m in args.modes.split(",")),
         top=args.top,
+        headroom=args.headroom,
     )
     result = search(spec, device, args.world_size, batch, base, options)
     print(format_search(result))
+    if args.measure and result.ranked:
+        print("\n" + format_measured(result.ranked[0], measure(result.ranked[0], cfg)))
     return 0 if result.ranked else 1
 
 

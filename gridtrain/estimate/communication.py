@@ -147,24 +147,27 @@ def step_only_collectives(spec, geo, sc: Scenario, stage: StageLayers, shards, s
 
 def _zero_collectives(sc: Scenario, stage: StageLayers, shards, group, n: int) -> list[Collective]:
     """ZeRO's traffic on the fullest rank, its rows padded to ``ceil(rows / n)`` (torch's
-    reduce-scatter / all-gather into flat buckets, or FSDP2's; not seen by count_bytes)."""
-    from gridtrain.estimate.memory import owned
-
+    reduce-scatter / all-gather into flat buckets, or FSDP2's; not seen by count_bytes).
+    Stage 2 and stage 3 reduce-scatter in every backward (``memory_rules``), stage 1 and
+    stage 3 with ``keep_unsharded_grads`` once per step."""
     nb = dtype_bytes(sc.amp)
-    rows = sum(owned(shape, n) * k for shape, k in stage.shapes(shards))
+    rows = sum(p.chunk() for p in stage.param_list(shards, sc) if p.group == n)
     buckets = max(1, math.ceil(rows * n * nb["w"] / BUCKET_BYTES))
+    backwards = sc.micro_batches * sc.chunks
     if sc.zero < 3:
+        each = backwards if sc.zero == 2 else 1
         return [
-            Collective(group, "reduce_scatter", (n - 1) * rows * nb["w"] / buckets, buckets,
+            Collective(group, "reduce_scatter", (n - 1) * rows * nb["w"] / buckets, buckets * each,
                        "ZeRO: gradient rows (overlaps backward)", "backward", False),
             Collective(group, "all_gather", (n - 1) * rows * nb["w"] / buckets, buckets,
                        "ZeRO: updated rows after the step", "step", False),
         ]  # fmt: skip
     gathered = 2 if sc.amp in ("naive", "bf16") else 4  # FSDP2 gathers in param_dtype
+    each = 1 if sc.keep_unsharded_grads else backwards
     return [
         Collective(group, "all_gather", (n - 1) * rows * gathered, 2 * sc.micro_batches,
                    "ZeRO-3: parameters before forward and backward", "prefetch", False),
-        Collective(group, "reduce_scatter", (n - 1) * rows * 4, 1,
+        Collective(group, "reduce_scatter", (n - 1) * rows * 4, each,
                    "ZeRO-3: gradients (fp32)", "backward", False),
     ]  # fmt: skip
 

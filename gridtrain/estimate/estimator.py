@@ -16,17 +16,11 @@ from gridtrain.estimate.communication import (
 )
 from gridtrain.estimate.devices import DeviceSpec, GiB
 from gridtrain.estimate.geometry import Geometry
-from gridtrain.estimate.memory import (
-    Activations,
-    ModelStates,
-    dtype_bytes,
-    in_flight,
-    model_states,
-    stage_activations,
-)
+from gridtrain.estimate.memory import Activations, dtype_bytes, in_flight, stage_activations
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
 from gridtrain.estimate.shards import TensorShards
+from gridtrain.estimate.states import MASTERS, OPTIMIZER_STATE, ModelStates
 from gridtrain.estimate.timing import collective_seconds, group_links
 
 RESERVED_GPU = 2 * GiB  # CUDA context, NCCL buffers, allocator slack
@@ -122,13 +116,12 @@ def _flops(spec: ModelSpec, stage: StageLayers, sc: Scenario) -> float:
     """Matmul FLOPs of one micro-batch through ``stage`` on one rank, forward + backward."""
     tokens = sc.micro_batch * spec.seq_len
     h = spec.hidden
-    fc_out = spec.ffn_dim * (2 if spec.gated else 1)
-    linear = 2 * h * (spec.qkv_out + h + fc_out) + 2 * spec.ffn_dim * h
+    linear = 2 * h * (spec.qkv_out + h) + 2 * spec.mlp_params(active=True)
     causal = not (sc.mode == "sequence" and sc.tensor > 1 and sc.ring == "standard")
     attention = spec.attention_flops_per_token(spec.seq_len, causal=causal) / spec.layers
     block = tokens * (linear + attention)
     forward = stage.blocks * block + (tokens * 2 * h * spec.vocab if stage.head else 0)
-    recompute = stage.blocks * block if sc.recompute == "full" else 0
+    recompute = sc.checkpointed(stage.blocks) * block
     return (3 * forward + recompute) / sc.tensor
 
 
@@ -188,9 +181,7 @@ def estimate(
             done[key] = _stage_parts(spec, sc, device, shards, geo, links, sizes, layers)
         params, states, per_micro, block, colls, compute, times = done[key]
         n = in_flight(sc, layers.stage)
-        held = n * per_micro + (
-            sum(b for _, b in block) if sc.recompute == "full" and layers.blocks else 0
-        )
+        held = n * per_micro + (sum(b for _, b in block) if sc.checkpointed(layers.blocks) else 0)
         acts = Activations(per_micro, held, n, block)
         stages.append(StageEstimate(layers, params, states, acts, *colls, sc.micro_batches,
                                     compute, *times))  # fmt: skip
@@ -208,11 +199,11 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     """Everything about one stage that does not depend on its place in the schedule."""
     peak = device.peak_for(sc.amp) * device.efficiency
     params = layers.params(shards)
-    states = model_states(layers.shapes(shards), sc, layers.largest_layer(shards))
+    states = layers.states(shards, sc)
     acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
     micro = microbatch_collectives(spec, geo, sc, layers, shards)
     steps = step_only_collectives(spec, geo, sc, layers, shards, sizes)
-    traffic = TRAFFIC + (1 if sc.recompute == "full" else 0)
+    traffic = TRAFFIC + (1 if sc.checkpointed(layers.blocks) else 0)
     touched = acts.per_microbatch  # bytes the kernels write and read: recompute rebuilds them
     if sc.recompute != "none":
         plain = dataclasses.replace(sc, recompute="none")
@@ -241,13 +232,22 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     exposed_dp = max(overlapped - backward, overlapped / buckets) if overlapped else 0.0
     exposed_dp += max(0.0, prefetched - compute * sc.micro_batches)
     nb = dtype_bytes(sc.amp)
-    opt_bytes = 2 * (states.weights + states.grads + states.master_grads + states.optimizer)
+    opt_bytes = 2 * _stepped_bytes(states)
     if sc.gemini:  # gradients stream during each backward, masters come back after the step
         backward_s = compute * 2 / 3 * sc.micro_batches
-        offload = max(0.0, states.pcie_d2h / device.pcie - backward_s)
-        offload += states.pcie_h2d / device.pcie + states.host / 16 / device.cpu_adam
+        offload = max(0.0, states.part("pcie_d2h") / device.pcie - backward_s)
+        offload += states.part("pcie_h2d") / device.pcie + states.part("rows") / device.cpu_adam
     else:
         offload = (params * nb["w"] * 2) / device.pcie if sc.offload else 0.0
     tail = exposed_dp + opt_bytes / device.hbm_bw + after + offload
     times = (tensor_s, p2p_s, overlapped, exposed_dp, tail)
     return params, states, acts.per_microbatch, acts.block, (micro, steps), compute, times
+
+
+def _stepped_bytes(st: ModelStates) -> float:
+    """What the (memory-bound) optimizer step reads once and writes once: the weights it
+    updates, their gradients and the optimizer state."""
+    return (
+        st.part("weights") + st.device[MASTERS] + st.host[MASTERS] + st.part("master_grads")
+        + st.device[OPTIMIZER_STATE] + st.host[OPTIMIZER_STATE]
+    )  # fmt: skip

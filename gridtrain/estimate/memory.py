@@ -1,14 +1,5 @@
-"""Bytes per rank: model states (fp16 mode and ZeRO aware) and activations (per micro-batch and in
-flight under the pipeline schedule).
-
-**Model states** per parameter this rank holds (shapes from the engine's plan):
-fp32 and autocast (``torch``, ``bf16``) keep fp32 weights and gradients; ``naive``
-keeps fp16 weights and gradients plus fp32 master weights and, at step time, fp32
-master gradients (``amp/naive_amp.py``). Adam keeps two fp32 moments per (master)
-parameter and a 4-byte ``step`` per tensor. ZeRO (Rajbhandari et al. 2020) shards
-over the data-parallel group ``N_d``: stage 1 the optimizer states (masters,
-moments), stage 2 also the gradients, stage 3 also the weights; offload moves the
-optimizer states to host memory.
+"""Activation bytes per rank: per micro-batch and in flight under the pipeline schedule (model
+states: ``states.py``).
 
 **Activations** are the tensors autograd saves for backward, listed op by op for
 one pre-norm block as gridtrain's layers run it (the inventory of Korthikanti et
@@ -23,7 +14,8 @@ dropout (``attention="math"``: the scores kept, dropped out) it gives their
 ``34 sbh + 5 a s^2 b`` per layer (fp16, no parallelism) and ``sbh (10 + 24/t + 5as/(ht))``
 under 1d (tests/test_estimate.py).
 Autocast keeps a bf16 copy of every weight a plain ``F.linear`` uses (none, 1d,
-sequence) per micro-batch. ``recompute="full"`` keeps only each block's input and
+sequence) per micro-batch. ``recompute="full"`` (``activation_checkpoint``) keeps only the
+input of every ``recompute_every``-th block and
 rebuilds one block at a time.
 
 In flight: 1F1B keeps ``min(P - stage, m)`` micro-batches on a stage; interleaved
@@ -41,7 +33,7 @@ from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
 from gridtrain.estimate.shards import LayerShards, TensorShards
 
-LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.fc2")
+LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.fc2", "mlp.gate")
 
 
 def dtype_bytes(amp: str | None) -> dict[str, int]:
@@ -55,99 +47,6 @@ def dtype_bytes(amp: str | None) -> dict[str, int]:
         "b": 1,
         "i": 8,
     }
-
-
-# ---- model states ----------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ModelStates:
-    """Bytes on one rank (``host``: what ZeRO offload keeps in CPU memory instead;
-    ``gathered``: ZeRO-3's unsharded layers, two at a time while FSDP2 prefetches)."""
-
-    weights: float
-    grads: float
-    master_weights: float
-    master_grads: float
-    moments: float
-    steps: float
-    host: float = 0.0
-    gathered: float = 0.0
-    pcie_h2d: float = 0.0  # Gemini: bytes over the host link per optimizer step
-    pcie_d2h: float = 0.0
-
-    @property
-    def optimizer(self) -> float:
-        """Optimizer states in the ZeRO paper's sense (K = 12 per parameter with naive fp16)."""
-        return self.master_weights + self.moments + self.steps
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.master_grads + self.optimizer + self.gathered
-
-
-def owned(shape: tuple[int, ...], n: int) -> int:
-    """Elements of a tensor the first rank of ``n`` owns under ZeRO: its ``ceil(rows / n)``
-    rows (``parallel/zero/rows.py``, as torch.chunk and FSDP2 cut; ranks past the last
-    chunk own fewer, so the first rank is the fullest)."""
-    rows = shape[0] if shape else 1
-    return -(-rows // n) * (math.prod(shape) // rows if rows else 0)
-
-
-def model_states(shapes, sc: Scenario, largest_layer: int = 0) -> ModelStates:
-    """Model-state bytes of a rank holding ``shapes`` (``(local shape, count)`` pairs).
-
-    ZeRO as ``parallel/zero`` runs it, on the first (fullest) rank of the data-parallel
-    group: stages 1-2 give the optimizer the rank's rows (fp32 copies under naive fp16
-    or offload, else views of the model's rows) and the reduce-scattered gradient rows
-    (fp32 copies under naive fp16, else views of the bucket); stage 1 keeps the model's
-    full gradients, stage 2 drops them; offload moves the optimizer's rows to host memory.
-    Stage 3 (FSDP2) keeps fp32 rows of parameters and gradients, which are also the
-    masters; with offload it is Gemini (``gemini_states``).
-    """
-    nb = dtype_bytes(sc.amp)
-    naive = sc.amp == "naive"
-    full = sum(math.prod(shape) * k for shape, k in shapes)
-    tensors = sum(k for _, k in shapes)
-    if sc.zero == 0:
-        masters = full * 4 if naive else 0
-        return ModelStates(full * nb["w"], full * nb["w"], masters, masters, full * 8, tensors * 4)
-    rows = sum(owned(shape, sc.zero_group) * k for shape, k in shapes)
-    steps = tensors * 4
-    if sc.gemini:
-        return gemini_states(full, rows, steps, sc, largest_layer)
-    if sc.zero == 3:
-        gathered = 2 * largest_layer * (2 if sc.amp in ("naive", "bf16") else 4)
-        return ModelStates(rows * 4, rows * 4, 0, 0, rows * 8, steps, 0.0, gathered)
-    masters = rows * 4 if naive or sc.offload else 0
-    master_grads = rows * (4 if naive else nb["w"])
-    grads = full * nb["w"] if sc.zero == 1 else 0
-    states = ModelStates(full * nb["w"], grads, masters, master_grads, rows * 8, steps)
-    if sc.offload:  # the optimizer's rows live on the host
-        moved = states.master_weights + states.master_grads + states.moments + states.steps
-        states = dataclasses.replace(
-            states, master_weights=0, master_grads=0, moments=0, steps=0, host=moved
-        )
-    return states
-
-
-def gemini_states(full: int, rows: int, steps: int, sc: Scenario, largest_layer: int):
-    """Stage 3 with offload as ``parallel/zero/offload.py`` runs it, every chunk resident
-    (``offload_plan``'s formulas): the device keeps a compute-dtype copy of every parameter
-    (2 bytes under amp) and two chunks' fp32 gradient buffers in flight; the host keeps the
-    rank's rows of fp32 masters, gradients and Adam's moments (16 bytes each); each backward
-    sends the gradient rows (4 bytes) and each step brings the masters' rows back (4 bytes)."""
-    compute = 2 if sc.amp is not None else 4
-    return ModelStates(
-        weights=full * compute,
-        grads=0,
-        master_weights=0,
-        master_grads=0,
-        moments=0,
-        steps=0,
-        host=rows * 16 + steps,
-        gathered=2 * largest_layer * 4,
-        pcie_h2d=rows * 4,
-        pcie_d2h=rows * 4 * sc.micro_batches,
-    )
 
 
 # ---- activations -----------------------------------------------------------------------------
@@ -179,8 +78,7 @@ def block_items(
     """Saved tensors of one block for a micro-batch of ``tokens`` tokens (one rank)."""
     nb = dtype_bytes(sc.amp)
     t = geo.tokens(tokens)
-    h, ffn = spec.hidden, spec.ffn_dim
-    fc_out = ffn * (2 if spec.gated else 1)
+    h = spec.hidden
     heads = spec.heads / (1 if geo.mode in (None, "sequence") else geo.side)
     items: list[Item] = _norm("norm1", spec, geo, t, nb, fused)
     items += _linear_input("qkv", h, "column", geo, t, nb, True)
@@ -193,15 +91,40 @@ def block_items(
     if spec.dropout:
         items.append(("attention dropout mask", t * h / geo.hidden_parts))
     items += _norm("norm2", spec, geo, t, nb, fused)
-    items += _linear_input("fc", h, "column", geo, t, nb, True)
+    items += _moe(spec, geo, sc, t, nb) if spec.experts else _mlp(spec, geo, t, nb)
+    items += _weight_copies(geo, sc, block, LINEARS)
+    return items
+
+
+def _mlp(spec: ModelSpec, geo: Geometry, t: float, nb) -> list[Item]:
+    h, ffn = spec.hidden, spec.ffn_dim
+    fc_out = ffn * (2 if spec.gated else 1)
+    items = _linear_input("fc", h, "column", geo, t, nb, True)
     items.append(("fc output (activation input)", t * geo.out_width(fc_out, "column") * nb["e"]))
     if spec.gated:
         items.append(("silu output", t * geo.out_width(ffn, "column") * nb["e"]))
     items += _linear_input("fc2", ffn, "row", geo, t, nb, False)
     if spec.dropout:
         items.append(("mlp dropout mask", t * h / geo.hidden_parts))
-    items += _weight_copies(geo, sc, block, LINEARS)
     return items
+
+
+def _moe(spec: ModelSpec, geo: Geometry, sc: Scenario, t: float, nb) -> list[Item]:
+    """gridtrain's MoeLayer (grouped dispatch): the gate's input and the router's fp32
+    probabilities; ``k t`` rows sent to the experts (balanced: as many come back), each
+    expert's input, activation input and output, the gated rows; int64 indices of the
+    gathers and scatters. Capacity factor 1 (the skeleton's router) pads no expert beyond
+    its share."""
+    h, e, k = spec.hidden, spec.expert_ffn, spec.top_k
+    rows = k * t
+    return [
+        ("gate input", t * h * nb["e"]),
+        ("router probabilities (fp32)", t * spec.experts * 4),
+        ("expert input rows", rows * h * nb["e"]),
+        ("expert activation input and output", 2 * rows * e * nb["e"]),
+        ("expert output rows (gated)", rows * h * nb["e"] + rows * 4),
+        ("dispatch indices", 4 * rows * 8),
+    ]
 
 
 def _attention(spec, geo: Geometry, sc: Scenario, t: float, heads: float, nb) -> list[Item]:
@@ -228,16 +151,20 @@ def _attention(spec, geo: Geometry, sc: Scenario, t: float, heads: float, nb) ->
 
 
 def _weight_copies(geo: Geometry, sc: Scenario, layer: LayerShards, linears) -> list[Item]:
-    """3d keeps every all-gathered weight; autocast keeps a bf16 copy of each F.linear weight."""
+    """3d keeps every all-gathered weight; autocast keeps a 16-bit copy of each F.linear weight
+    (and of the experts' weights and biases) unless ZeRO 3 already gathers them in 16 bits
+    (bf16 under FSDP2, any amp under Gemini)."""
     local = [
         math.prod(shape)
         for key, shape in layer.local.items()
-        if key.endswith(".weight") and any(f".{n}.weight" in f".{key}" for n in linears)
+        if (key.endswith(".weight") and any(f".{n}.weight" in f".{key}" for n in linears))
+        or ".experts." in key
     ]
     nb = dtype_bytes(sc.amp)
     if geo.mode == "3d":
         return [("gathered weights", sum(local) * geo.side * nb["e"])]
-    if sc.amp in ("torch", "bf16") and geo.mode in (None, "1d", "sequence"):
+    cast = sc.zero == 3 and (sc.offload or sc.amp == "bf16")
+    if sc.amp in ("torch", "bf16") and geo.mode in (None, "1d", "sequence") and not cast:
         return [("autocast weight copies", sum(local) * nb["e"])]
     return []
 
@@ -258,10 +185,19 @@ def embed_items(spec: ModelSpec, geo: Geometry, sc: Scenario, tokens: int) -> li
 def head_items(
     spec: ModelSpec, geo: Geometry, sc: Scenario, tokens: int, head: LayerShards, fused: bool
 ):
-    """Final norm, the LM head's input and the loss's softmax buffer."""
+    """Final norm, the LM head's input and the loss's softmax buffer (``chunked_loss``: the
+    hidden states' gradient and the head weights' fp32 sum, taken in the forward; with its
+    ``recompute``, or under fp16, the head's input and the labels only)."""
     nb = dtype_bytes(sc.amp)
     t = geo.tokens(tokens)
     items = _norm("final norm", spec, geo, t, nb, fused)
+    if sc.chunk_tokens:
+        width = geo.in_width(spec.hidden, "column") * geo.gather
+        if sc.chunk_recompute or sc.amp in ("torch", "naive"):
+            return items + [("LM head input", t * width * nb["e"]), ("labels", t * 8)]
+        weights = sum(math.prod(s) for k, s in head.local.items() if ".classifier." in k)
+        return items + [("hidden-state gradient", t * width * nb["e"]),
+                        ("head weight gradient (fp32)", weights * 4)]  # fmt: skip
     items += _linear_input("LM head", spec.hidden, "column", geo, t, nb, True)
     if geo.mode in (None, "sequence"):  # dense cross entropy keeps log-softmax (fp32)
         items.append(("log-softmax", t * spec.vocab * 4))
@@ -312,7 +248,8 @@ def stage_activations(
 ) -> Activations:
     """``fused_norm``: the device runs RMSNorm fused (GPUs) rather than torch's composite (CPU)."""
     tokens = sc.micro_batch * spec.seq_len
-    key = (spec, geo, sc.amp, sc.ring, sc.attention, tokens, fused_norm)
+    key = (spec, geo, sc.amp, sc.ring, sc.attention, tokens, fused_norm, sc.zero, sc.offload,
+           sc.chunk_tokens, sc.chunk_recompute)  # fmt: skip
     if key not in _ITEMS:  # the inventory depends on these alone (shards: spec and geometry)
         block = block_items(spec, geo, sc, tokens, shards.block, fused_norm)
         embed = sum(b for _, b in embed_items(spec, geo, sc, tokens))
@@ -321,11 +258,12 @@ def stage_activations(
     block, block_bytes, embed, head = _ITEMS[key]
     other = (embed if stage.embed else 0.0) + (head if stage.head else 0.0)
     nb = dtype_bytes(sc.amp)
-    if sc.recompute == "full":  # each block keeps its input; one block is rebuilt at a time
+    redo = sc.checkpointed(stage.blocks)
+    if redo:  # a checkpointed block keeps its input; one block is rebuilt at a time
         kept = geo.tokens(tokens) * spec.hidden / geo.hidden_parts * nb["r"]
-        per = stage.blocks * kept + other
+        per = redo * kept + (stage.blocks - redo) * block_bytes + other
         n = in_flight(sc, stage.stage)
-        return Activations(per, n * per + (block_bytes if stage.blocks else 0), n, block)
+        return Activations(per, n * per + block_bytes, n, block)
     per = stage.blocks * block_bytes + other
     n = in_flight(sc, stage.stage)
     return Activations(per, n * per, n, block)

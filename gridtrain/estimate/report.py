@@ -8,7 +8,6 @@ from typing import Any
 from gridtrain.estimate.communication import Collective
 from gridtrain.estimate.devices import GiB
 from gridtrain.estimate.estimator import Estimate, StageEstimate
-from gridtrain.estimate.memory import dtype_bytes
 from gridtrain.parallel.mode import ParallelMode as PM
 
 
@@ -51,57 +50,66 @@ def format_estimate(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _state_rows(e: Estimate) -> list[tuple[str, str, float]]:
+    """(category, how it is made, device bytes at its peak): ``engine.memory()``'s categories."""
+    sc, w = e.scenario, e.worst
+    st, d, r = w.states, w.states.device, sc.rules
+    zero = f", ZeRO-{sc.zero} over {sc.zero_group}" if sc.zero else ""
+    wdt = f"{8 * r.w}-bit"
+    extra = st.part("in_flight")
+    if sc.gemini:
+        params = f"{w.params / 1e9:.3f}B on the stage, {8 * r.c}-bit copies, all resident"
+        grads = "a chunk's fp32 send buffer and its gradients, while reduced"
+    elif sc.zero == 3:
+        params = f"fp32 rows{zero} + units gathered ({8 * r.c}-bit) {_gib(st.part('gathered'))}"
+        grads = f"fp32 rows {_gib(st.part('grads'))} + unsharded {_gib(extra)}"
+        if sc.keep_unsharded_grads:
+            grads = "full fp32, kept unsharded across micro-steps (keep_unsharded_grads)"
+    else:
+        params = f"{w.params / 1e9:.3f}B x {r.w} B ({wdt})"
+        if st.part("gather"):
+            params += f" + all-gather buffers {_gib(st.part('gather'))}"
+        kept = "fp32 row accumulators" if sc.zero == 2 else f"full {wdt}"
+        sent = "buckets in flight" if sc.zero == 2 else "reduce buffers"
+        grads = f"{kept} {_gib(st.part('grads'))} + {sent} {_gib(extra)}"
+    masters = "fp32 copies" + (" of this rank's rows" if sc.zero else "")
+    if not d["masters"]:
+        masters = "none: the optimizer steps the model's own" + (" rows" if sc.zero else "")
+        masters += " (host)" if st.host["masters"] else ""
+    return [
+        ("parameters", params, d["parameters"]),
+        ("masters", masters, d["masters"]),
+        ("gradients", grads, d["gradients"]),
+        ("optimizer_state", "Adam moments + step" + zero, d["optimizer_state"]),
+    ]
+
+
 def _memory(e: Estimate) -> list[str]:
     sc, w = e.scenario, e.worst
-    nb = dtype_bytes(sc.amp)
     st, act = w.states, w.activations
     where = (
         f"stage {w.layers.stage} of {sc.pipeline}: {_layers(w)}" if sc.pipeline > 1 else _layers(w)
     )
-    zero = f", ZeRO-{sc.zero} over {sc.zero_group}" if sc.zero else ""
-    wdt = "fp16" if nb["w"] == 2 else "fp32"
-    mine = "this rank's rows" + zero
-    if st.pcie_d2h:  # Gemini: compute-dtype copies on the device, the rest on the host
-        cdt = "fp32" if sc.amp is None else "16-bit"
-        rows = [("parameters", f"{w.params / 1e9:.3f}B on the stage; {cdt} copies, all resident",
-                 st.weights),
-                ("gradient buffers", "fp32, two chunks in flight to the host", st.gathered)]  # fmt: skip
-    elif sc.zero == 3:  # FSDP2: fp32 rows of parameters and gradients, which are the masters
-        rows = [("parameters", f"{w.params / 1e9:.3f}B on the stage; fp32 {mine}", st.weights),
-                ("gradients", f"fp32 {mine}", st.grads),
-                ("gathered layers", "unsharded for compute, two at a time", st.gathered)]  # fmt: skip
-    else:
-        grads = "dropped once reduce-scattered (ZeRO-2)" if sc.zero == 2 else wdt
-        rows = [("parameters", f"{w.params / 1e9:.3f}B x {nb['w']} B ({wdt})", st.weights),
-                ("gradients", grads, st.grads)]  # fmt: skip
-    if st.master_weights:
-        rows.append(("master weights", "fp32 copies" + (f" of {mine}" if sc.zero else ""),
-                     st.master_weights))  # fmt: skip
-    if st.master_grads:
-        what = f"reduce-scattered rows{zero}" if sc.zero else "fp32, at the optimizer step"
-        rows.append(("master gradients", what, st.master_grads))
-    rows.append(("optimizer states", "Adam moments + step" + zero, st.moments + st.steps))
+    rows = _state_rows(e)
     flight = "1F1B" if sc.chunks == 1 else "interleaved"
     how = (
         f"{_gib(act.per_microbatch)} GiB per micro-batch x {act.microbatches_in_flight:g} in flight ({flight})"
         if sc.pipeline > 1
         else f"one micro-batch of {sc.micro_batch} x {e.spec.seq_len} tokens"
     )
-    if sc.recompute == "full":
-        how += ", full recompute"
+    if sc.checkpointed(w.layers.blocks):
+        how += f", {sc.checkpointed(w.layers.blocks)} of {w.layers.blocks} blocks recomputed"
     rows.append(("activations", how, act.in_flight))
     if e.reserved:
         rows.append(("reserved", "CUDA context, NCCL buffers, allocator", e.reserved))
-    out = [f"memory per rank ({where})"]
+    out = [f"memory per rank at the peak of a step ({where}; categories of engine.memory())"]
     out += [f"  {name:<18} {what:<58} {_gib(b):>8} GiB" for name, what, b in rows]
-    if st.host:
-        what = "ZeRO offload: optimizer states"
-        if st.pcie_d2h:
-            what = "Gemini: fp32 masters, gradients, Adam moments"
-        out.append(f"  {'(host memory)':<18} {what:<58} {_gib(st.host):>8} GiB")
-    if st.pcie_d2h:
-        link = f"host link per step: {st.pcie_h2d / 1e9:.2f} GB to the device, "
-        link += f"{st.pcie_d2h / 1e9:.2f} GB back"
+    if st.host_total:
+        held = ", ".join(f"{k} {_gib(v)}" for k, v in st.host.items() if v)
+        out.append(f"  {'(host memory)':<18} {held:<58} {_gib(st.host_total):>8} GiB")
+    if st.part("pcie_d2h"):
+        link = f"host link per step: {st.part('pcie_h2d') / 1e9:.2f} GB to the device, "
+        link += f"{st.part('pcie_d2h') / 1e9:.2f} GB back"
         out.append(f"  {'(PCIe)':<18} {link:<58}")
     total, cap = e.memory, e.device.memory
     verdict = (
@@ -110,6 +118,7 @@ def _memory(e: Estimate) -> list[str]:
         else f"DOES NOT FIT (over by {_gib(total - cap)} GiB)"
     )
     out.append(f"  {'total':<18} {f'of {_gib(cap)} GiB: {verdict}':<58} {_gib(total):>8} GiB")
+    out += [f"  not modelled: {key}" for key in sc.unmodelled]
     return out
 
 
@@ -240,11 +249,13 @@ def as_dict(e: Estimate) -> dict[str, Any]:
         "memory_bytes": e.memory,
         "fits": e.fits,
         "worst_stage": w.layers.stage,
-        "states": vars(w.states) if hasattr(w.states, "__dict__") else {},
+        "states": w.states.device,
+        "host": w.states.host,
         "activations_bytes": w.activations.in_flight,
         "step_s": e.step_s,
         "tokens_per_s": e.tokens_per_s,
         "mfu": e.mfu,
+        "unmodelled": list(e.scenario.unmodelled),
         "communication": [
             {"group": g, "op": op, "bytes": b, "calls": n, "issued_by": src}
             for g, op, b, n, src in aggregate(w.collectives)

@@ -1,11 +1,11 @@
 """The run being estimated: a config's layout at a world size, a batch, a precision, ZeRO.
 
-``Scenario.from_config`` reads everything the engine would read
-(``parallel.pipeline``/``tensor``, ``num_microbatches``, ``gradient_accumulation``,
-``fp16.mode``, ``clip_grad_norm``, and ``zero`` once the config has it);
-``check`` says, before any number is computed, why a layout cannot run this
-model (which group, which divisor); ``stages`` cuts the layers into pipeline
-stages with the engine's own ``partition`` and layer costs.
+``Scenario.from_config`` (``config_keys.py``) reads every key that changes memory or time
+and names those it cannot model; ``check`` says, before any number is computed, why a
+layout cannot run this model (which group, which divisor); ``stages`` cuts the layers
+into pipeline stages with the engine's own ``partition`` and layer costs; ``StageLayers.params``
+lists what a stage's rank holds, parameter by parameter, for the model-state rules
+(``states.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import dataclasses
 import functools
 from typing import Any
 
-from gridtrain.config import Config, ConfigError
+from gridtrain.config import Config
 from gridtrain.estimate.models import ModelSpec
-from gridtrain.estimate.shards import TensorShards, tensor_shards
+from gridtrain.estimate.shards import LayerShards, TensorShards, tensor_shards
 from gridtrain.estimate.skeleton import meta_skeleton
+from gridtrain.estimate.states import ModelStates, Param, Rules, model_states
 from gridtrain.parallel.pipeline.balance import LayerCosts, layer_costs, partition
 from gridtrain.parallel.tensor.mode_2d.grid import grid_side
 from gridtrain.parallel.tensor.mode_3d.cube import cube_side
@@ -27,9 +28,6 @@ from gridtrain.parallel.tensor.registry import mode_spec
 
 class EstimateError(ValueError):
     """A layout that cannot run the model: names the group and the divisor."""
-
-
-AMP_NAMES = {"torch": "torch", "bf16": "bf16", "naive": "naive", "apex": "naive"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +46,18 @@ class Scenario:
     amp: str | None = None  # None (fp32), "torch", "bf16", "naive"
     zero: int = 0
     offload: bool = False
-    recompute: str = "none"  # "none" or "full" (every block keeps only its input)
+    recompute: str = "none"  # "none" or "full": checkpointed blocks keep only their input
+    recompute_every: int = 1  # activation_checkpoint.every: every n-th block of a stage
     ring: str = "standard"
     partition: str = "uniform"
     clip: bool = False
-    attention: str = "flash"  # SDPA's fused kernels; "math" keeps the s x s scores (what-if)
+    attention: str = "flash"  # SDPA's fused kernels; "math" keeps the s x s scores
+    keep_unsharded_grads: bool = False  # zero.keep_unsharded_grads (stage 3)
+    bucket_mb: float = 25.0  # zero.bucket_size_mb (stages 1-2)
+    chunk_tokens: int = 0  # chunked_loss.chunk_tokens; 0: whole logits
+    chunk_recompute: bool = False  # chunked_loss.recompute
+    expert_parallel: int = 1  # moe.expert_parallel_size
+    unmodelled: tuple[str, ...] = ()  # config keys that change memory or time, not modelled
 
     @property
     def data(self) -> int:
@@ -77,12 +82,33 @@ class Scenario:
         """Ranks a gradient is averaged over (and ZeRO shards over): data, x sequence."""
         return self.data * (self.tensor if self.mode == "sequence" else 1)
 
+    @property
+    def expert_group(self) -> int:
+        """Ranks an expert's gradient is averaged over (EXPERT_DATA): data / expert parallel."""
+        return max(1, self.data // self.expert_parallel)
+
+    @property
+    def rules(self) -> Rules:
+        """What decides the model states (``states.py``)."""
+        return Rules(
+            amp=self.amp, zero=self.zero, offload=self.offload,
+            keep_unsharded_grads=self.keep_unsharded_grads,
+            backwards=self.micro_batches * self.chunks, bucket_mb=self.bucket_mb,
+        )  # fmt: skip
+
+    def checkpointed(self, blocks: int) -> int:
+        """Blocks of a stage holding ``blocks`` that recompute (every ``recompute_every``-th)."""
+        if self.recompute != "full" or not blocks:
+            return 0
+        return -(-blocks // self.recompute_every)
+
     def describe(self) -> str:
         mode = f"{self.mode} " if self.mode else ""
         depth = f" depth {self.depth}" if self.mode == "2.5d" else ""
         chunks = f" x {self.chunks} chunks" if self.chunks > 1 else ""
         zero = f", ZeRO-{self.zero}{' offload' if self.offload else ''}" if self.zero else ""
-        recompute = ", full recompute" if self.recompute == "full" else ""
+        every = f" of every {self.recompute_every} blocks" if self.recompute_every > 1 else ""
+        recompute = f", recompute{every}" if self.recompute == "full" else ""
         return (
             f"data {self.data} x pipeline {self.pipeline}{chunks} x tensor {mode}{self.tensor}"
             f"{depth}; micro-batch {self.micro_batch} x {self.micro_batches} per step "
@@ -106,56 +132,24 @@ class Scenario:
             out["fp16"] = {"mode": self.amp}
         if self.zero:
             out["zero"] = {"stage": self.zero, **({"offload": True} if self.offload else {})}
+            if self.keep_unsharded_grads:
+                out["zero"]["keep_unsharded_grads"] = True
+        if self.recompute == "full":
+            every = self.recompute_every
+            out["activation_checkpoint"] = True if every == 1 else {"every": every}
+        if self.chunk_tokens:
+            out["chunked_loss"] = {"chunk_tokens": self.chunk_tokens}
+        if self.expert_parallel > 1:
+            out["moe"] = {"expert_parallel_size": self.expert_parallel}
         return out
 
     # ---- building ----------------------------------------------------------------------
     @classmethod
-    def from_config(
-        cls,
-        cfg: Config,
-        world: int,
-        global_batch: int | None = None,
-        micro_batch: int | None = None,
-        zero: int | None = None,
-        offload: bool | None = None,
-        recompute: str = "none",
-        attention: str = "flash",
-    ) -> Scenario:
-        """The scenario ``cfg`` describes at ``world`` ranks; the batch from ``global_batch``
-        (else the config's ``GLOBAL_BATCH_SIZE``), else ``micro_batch`` (default 1)."""
-        try:
-            cfg.check_world_size(world)
-        except ConfigError as err:
-            raise EstimateError(str(err)) from None
-        p, t = cfg.pipeline_size, cfg.tensor_size
-        m = _pipeline_microbatches(cfg)
-        ga = cfg.gradient_accumulation
-        if global_batch is None:
-            global_batch = cfg.user_constants().get("GLOBAL_BATCH_SIZE")
-        if global_batch is not None:
-            micro_batch = _micro_batch(global_batch, world // (p * t), m, ga)
-        stage, off = _zero_of(cfg)
-        amp = amp_of(cfg)
-        tc = cfg.parallel.tensor
-        return cls(
-            world=world,
-            pipeline=p,
-            tensor=t,
-            mode=tc.mode,
-            depth=tc.depth,
-            chunks=cfg.parallel.pipeline.num_chunks,
-            micro_batch=micro_batch or 1,
-            pipeline_micro=m,
-            accumulation=ga,
-            amp=amp,
-            zero=stage if zero is None else zero,
-            offload=off if offload is None else offload,
-            recompute=recompute,
-            ring=tc.ring_attention,
-            partition=cfg.parallel.pipeline.partition,
-            clip=cfg.clip_grad_norm > 0,
-            attention=attention,
-        )
+    def from_config(cls, cfg: Config, world: int, **overrides: Any) -> Scenario:
+        """The scenario ``cfg`` describes at ``world`` ranks (``config_keys.from_config``)."""
+        from gridtrain.estimate.config_keys import from_config
+
+        return from_config(cfg, world, **overrides)
 
     # ---- what must divide ----------------------------------------------------------------
     def check(self, spec: ModelSpec) -> TensorShards:
@@ -232,29 +226,46 @@ class StageLayers:
             n += shards.head.numel_with_ties
         return n
 
-    def shapes(self, shards: TensorShards) -> list[tuple[tuple[int, ...], int]]:
-        """(local shape, how many) of every parameter tensor this stage holds."""
-        key = (id(shards), self.embed, self.blocks, self.head)
-        hit = _SHAPES.get(key)
+    def states(self, shards: TensorShards, sc: Scenario) -> ModelStates:
+        """The model states of a rank of this stage (``states.model_states``), cached: the
+        search asks for the same stage under many layouts."""
+        key = (id(shards), self.embed, self.blocks, self.head, sc.zero_group, sc.expert_group,
+               sc.expert_parallel, sc.pipeline > 1, sc.rules)  # fmt: skip
+        hit = _STATES.get(key)
         if hit is None or hit[0] is not shards:
-            hit = _SHAPES[key] = (shards, self._shapes(shards))
+            hit = _STATES[key] = (shards, model_states(self.param_list(shards, sc), sc.rules))
         return hit[1]
 
-    def _shapes(self, shards: TensorShards) -> list[tuple[tuple[int, ...], int]]:
-        out = [(shape, self.blocks) for shape in shards.block.local.values()] if self.blocks else []
-        if self.embed:
-            out += [(shape, 1) for shape in shards.embed.local.values()]
-        if self.head:
-            tied = shards.head.tied if self.embed else frozenset()
-            out += [(shape, 1) for key, shape in shards.head.local.items() if key not in tied]
-        return out
+    def param_list(self, shards: TensorShards, sc: Scenario) -> list[Param]:
+        """Every parameter tensor a rank of this stage holds, in registration order, with its
+        data-parallel group and ZeRO 3 unit (``states.Param``): FSDP2 makes each layer a unit
+        and leaves a tied embedding and head (both here) to the root."""
+        tied_here = bool(shards.head.tied) and self.embed and self.head
+        shared = bool(shards.head.tied) and sc.pipeline > 1 and not tied_here
+        out: list[Param] = []
 
-    def largest_layer(self, shards: TensorShards) -> int:
-        """Parameters of the stage's largest layer (a ZeRO-3 unit gathered at once)."""
-        sizes = [shards.block.numel] if self.blocks else []
-        sizes += [shards.embed.numel] if self.embed else []
-        sizes += [shards.head.numel_with_ties] if self.head else []
-        return max(sizes, default=0)
+        def add(layer: LayerShards, unit: int, block: bool, skip=frozenset()) -> None:
+            for key, shape in layer.local.items():
+                if key in skip:
+                    continue
+                expert = ".experts." in key
+                if expert:  # the skeleton holds every expert; a rank holds 1/ep of them
+                    shape = (shape[0] // sc.expert_parallel, *shape[1:])
+                out.append(Param(
+                    shape, sc.expert_group if expert else sc.zero_group,
+                    unit=0 if tied_here and not block else unit, block=block,
+                    shared=shared and key in ("embed.tok.weight", "head.classifier.weight"),
+                ))  # fmt: skip
+
+        if self.embed:
+            add(shards.embed, 1, False)
+        for i in range(self.blocks):
+            add(shards.block, 2 + i, True)
+        if self.head:
+            add(
+                shards.head, 2 + self.blocks, False, shards.head.tied if self.embed else frozenset()
+            )
+        return out
 
     def tensors(self, shards: TensorShards) -> int:
         """Parameter tensors this stage holds (each has an optimizer ``step`` scalar)."""
@@ -290,26 +301,7 @@ def _stages(spec: ModelSpec, pipeline: int, chunks: int, method: str) -> tuple[S
     )
 
 
-_SHAPES: dict[tuple, tuple] = {}  # keeps the shards alive, so their id stays theirs
-
-
-def amp_of(cfg: Config) -> str | None:
-    """The config's mixed precision as the estimator names it (apex O2 counts as naive)."""
-    if cfg.fp16 is None or cfg.fp16.mode is None:
-        return None
-    return AMP_NAMES[str(getattr(cfg.fp16.mode, "value", cfg.fp16.mode))]
-
-
-def _zero_of(cfg: Config) -> tuple[int, bool]:
-    """``zero = dict(stage=..., offload=...)`` once the config schema has it (a model or a dict)."""
-    zero = getattr(cfg, "zero", None)
-    if zero is None:
-        zero = cfg.user_constants().get("ZERO")
-    if zero is None:
-        return 0, False
-    if isinstance(zero, dict):
-        return int(zero.get("stage", 0) or 0), bool(zero.get("offload", False))
-    return int(getattr(zero, "stage", 0) or 0), bool(getattr(zero, "offload", False))
+_STATES: dict[tuple, tuple] = {}  # keeps the shards alive, so their id stays theirs
 
 
 def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
@@ -324,27 +316,3 @@ def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
         d = cube_side(t)
         return d * d, f"d*d = {d * d} batch blocks of the cube"
     return 1, "nothing"
-
-
-def _pipeline_microbatches(cfg: Config) -> int:
-    """Micro-batches per pipeline step: 1 without a pipeline, else the config's (required)."""
-    p = cfg.pipeline_size
-    if p == 1:
-        return 1
-    if cfg.num_microbatches is None:
-        raise EstimateError(
-            f"parallel.pipeline = {p} needs num_microbatches in the config "
-            f"(e.g. num_microbatches = {2 * p})"
-        )
-    return cfg.num_microbatches
-
-
-def _micro_batch(global_batch: int, data: int, m: int, ga: int) -> int:
-    """The sequences per micro-batch that ``global_batch`` gives; it must split evenly."""
-    per = data * m * ga
-    if global_batch % per:
-        raise EstimateError(
-            f"global batch {global_batch} does not split into data {data} x "
-            f"micro-batches {m} x gradient_accumulation {ga} = {per} equal micro-batches"
-        )
-    return global_batch // per

@@ -26,10 +26,11 @@ import heapq
 import math
 import time
 
+from gridtrain.estimate.calibration import describe, nearest
 from gridtrain.estimate.devices import DeviceSpec
 from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, estimate, step_bound
 from gridtrain.estimate.geometry import Geometry
-from gridtrain.estimate.memory import in_flight, model_states, stage_activations
+from gridtrain.estimate.memory import in_flight, stage_activations
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import EstimateError, Scenario, batch_split
 
@@ -42,6 +43,7 @@ class SearchOptions:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     chunks: tuple[int, ...] = (1, 2, 4)
     top: int = 10
+    headroom: float = 0.10  # share of device memory a pick leaves free (fragmentation, spikes)
 
 
 @dataclasses.dataclass
@@ -60,6 +62,7 @@ class SearchResult:
     cpu_seconds: float = 0.0  # this process's CPU time (what the search costs on a busy machine)
     modes: set = dataclasses.field(default_factory=set)  # tensor modes of the layouts considered
     top: int = 10
+    headroom: float = 0.10
 
     def reject(self, why: str) -> None:
         self.rejected[why] = self.rejected.get(why, 0) + 1
@@ -114,9 +117,9 @@ def _memory(spec, sc: Scenario, device: DeviceSpec, shards, geo) -> float:
     for layers in sc.stages(spec):
         key = (layers.embed, layers.blocks, layers.head)
         if key not in seen:
-            states = model_states(layers.shapes(shards), sc, layers.largest_layer(shards))
+            states = layers.states(shards, sc)
             acts = stage_activations(spec, geo, sc, layers, shards, device.fused_rms_norm)
-            block = sum(b for _, b in acts.block) if sc.recompute == "full" else 0.0
+            block = sum(b for _, b in acts.block) if sc.checkpointed(layers.blocks) else 0.0
             seen[key] = (states.total, acts.per_microbatch, block)
         states, per, block = seen[key]
         worst = max(worst, states + in_flight(sc, layers.stage) * per + block)
@@ -141,7 +144,9 @@ def search(
     estimates already made, so the top ``top`` are the true best of the model's estimates.
     """
     start, cpu = time.perf_counter(), time.process_time()
-    result = SearchResult(spec, device, world, global_batch, [], top=options.top)
+    result = SearchResult(
+        spec, device, world, global_batch, [], top=options.top, headroom=options.headroom
+    )
     candidates: list[tuple[float, int, Scenario, object]] = []
     for p in divisors(world):
         if p > spec.layers + 2:
@@ -192,16 +197,14 @@ def _candidates(spec, device, world, batch, base, options, p, mode, t, depth, re
         result.reject("the tensor plan does not fit the model")
         return []
     geo = Geometry.of(mode, t, depth)
+    budget = device.memory * (1 - options.headroom)
     out: list = []
     for zero in options.zero_stages:
         if zero and probe.zero_group == 1:
             break
         sc0 = dataclasses.replace(probe, zero=zero)
-        states = max(
-            model_states(st.shapes(shards), sc0, st.largest_layer(shards)).total
-            for st in sc0.stages(spec)
-        )
-        if states > device.memory:
+        states = max(st.states(shards, sc0).total for st in sc0.stages(spec))
+        if states > budget:
             result.reject("model states exceed the device memory")
             continue
         roomy = False
@@ -216,7 +219,7 @@ def _candidates(spec, device, world, batch, base, options, p, mode, t, depth, re
                     sc0, micro_batch=b, chunks=v, pipeline_micro=m if p > 1 else 1,
                     accumulation=1 if p > 1 else m,
                 )  # fmt: skip
-                if _memory(spec, sc, device, shards, geo) > device.memory:
+                if _memory(spec, sc, device, shards, geo) > budget:
                     result.reject("activations exceed the device memory")
                     continue
                 roomy = roomy or b == micro[-1]
@@ -243,7 +246,7 @@ def format_search(r: SearchResult) -> str:
         head,
         "",
         f"  {'#':>3}  {'data x pipeline x tensor':<30} {'micro':>5} {'x m':>5} {'v':>2} {'zero':>4} "
-        f"{'GiB/rank':>9} {'step':>9} {'tokens/s':>12} {'MFU':>6}",
+        f"{'GiB/rank':>9} {'step':>9} {'tokens/s':>12} {'MFU':>6}  calibration it rests on",
     ]
     for i, e in enumerate(r.ranked[: r.top], 1):
         sc = e.scenario
@@ -255,8 +258,9 @@ def format_search(r: SearchResult) -> str:
         lines.append(
             f"  {i:>3}  {layout:<30} {sc.micro_batch:>5} {sc.micro_batches:>5} {sc.chunks:>2} "
             f"{sc.zero:>4} {e.memory / 2**30:>9.1f} {step:>9} {e.tokens_per_s:>12,.0f} "
-            f"{e.mfu:>6.1%}"
+            f"{e.mfu:>6.1%}  {describe(nearest(r.device.name, r.spec.num_params(), r.world))}"
         )
+    lines += [f"  (picks leave {r.headroom:.0%} of each device's memory free: --headroom)"]
     lines += ["", "the best as a config:", config_text(r.ranked[0].scenario, r.global_batch)]
     return "\n".join(lines)
 
@@ -279,8 +283,11 @@ def config_text(sc: Scenario, global_batch: int) -> str:
             lines.append(f"{key} = {d[key]}")
     if "fp16" in d:
         lines.append(f"fp16 = dict(mode={d['fp16']['mode']!r})")
-    if "zero" in d:
-        zero = ", ".join(f"{k}={v!r}" for k, v in d["zero"].items())
-        lines.append(f"zero = dict({zero})")
+    for key in ("zero", "activation_checkpoint", "chunked_loss", "moe"):
+        value = d.get(key)
+        if isinstance(value, dict):
+            value = "dict(" + ", ".join(f"{k}={v!r}" for k, v in value.items()) + ")"
+        if value is not None:
+            lines.append(f"{key} = {value}")
     lines.append(f"GLOBAL_BATCH_SIZE = {global_batch}")
     return "\n".join(lines)

@@ -13,6 +13,9 @@ copy of their arithmetic. The tests train the very same class through
   2d/2.5d/3d hidden blocks) and attention reads its local heads off the width.
 * ``fc`` of a gated MLP interleaves gate and up (``[ffn, 2]``), for the same reason.
 * Attention is ``gt.nn.attention``: SDPA, or ring attention under 'sequence'.
+* A spec with ``experts`` has gridtrain's ``MoeLayer`` as every block's ``mlp`` (top-1 or
+  top-2 router at capacity factor 1, the grouped dispatch, ``Experts`` of ``expert_ffn``),
+  built with the current context when there is one (its experts are then this rank's).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from torch import Tensor, nn
 
 import gridtrain.nn as gnn
 from gridtrain.estimate.models import ModelSpec
+from gridtrain.parallel import moe
+from gridtrain.parallel.context import get_context, has_context
 
 
 class Attention(nn.Module):
@@ -73,6 +78,16 @@ class MLP(nn.Module):
         return self.drop(self.fc2(h))
 
 
+def moe_mlp(spec: ModelSpec) -> nn.Module:
+    """The MoE layer of a block: ``spec.experts`` experts, ``spec.top_k`` per token."""
+    ctx = get_context() if has_context() else None
+    router_type = moe.Top2Router if spec.top_k == 2 else moe.Top1Router
+    router = router_type(capacity_factor_train=1.0, capacity_factor_eval=1.0, min_capacity=1)
+    act = F.silu if spec.gated else F.gelu
+    experts = moe.Experts(spec.experts, spec.hidden, spec.expert_ffn, activation=act, ctx=ctx)
+    return moe.MoeLayer(spec.hidden, spec.experts, router, experts, ctx=ctx)
+
+
 def _norm(spec: ModelSpec) -> nn.Module:
     return gnn.LayerNorm(spec.hidden) if spec.norm == "layer" else gnn.RMSNorm(spec.hidden)
 
@@ -83,7 +98,7 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.norm1, self.attn = _norm(spec), Attention(spec)
-        self.norm2, self.mlp = _norm(spec), MLP(spec)
+        self.norm2, self.mlp = _norm(spec), (moe_mlp(spec) if spec.experts else MLP(spec))
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.norm1(x))

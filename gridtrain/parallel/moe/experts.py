@@ -148,7 +148,9 @@ class Experts(nn.Module):
             "b2": torch.empty(num_experts, hidden_size, dtype=dtype).uniform_(-b2_bound, b2_bound),
         }
         for name, full in dense.items():
-            local = full.chunk(self.ep, dim=0)[rank].contiguous().to(device)
+            # a copy: a chunk along dim 0 is already contiguous, and kept as a view it would
+            # hold the storage of every expert on a CPU rank (.to(device) copies only on GPUs)
+            local = full.chunk(self.ep, dim=0)[rank].clone().to(device)
             param = nn.Parameter(local)
             set_shard_spec(param, (0, ParallelMode.EXPERT))
             set_dp_mode(param, ParallelMode.EXPERT_DATA)
