@@ -233,10 +233,6 @@ MEASURED = [
 
 def measured_rows(out_dir: Path) -> str:
     """Run every ``MEASURED`` row's rank on this GPU; the table, also written to ``out_dir``."""
-    import json
-
-    import torch
-
     from gridtrain.config import Config
     from gridtrain.estimate.measure import compute_s, measure
 
@@ -244,13 +240,18 @@ def measured_rows(out_dir: Path) -> str:
     head = ["| layout | est. compute ms | measured ms | ratio | est. GiB | measured GiB (alloc) | "
             "ratio | params / grads / optim / acts GiB, est. / measured |",
             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    rows, records = list(head), []
+    rows, records, text = list(head), [], ""
     for name, preset, world, extra in MEASURED:
         cfg = Config.from_dict({"fp16": {"mode": "bf16"}, **extra})
         spec = dataclasses.replace(get_model(preset), dropout=0.0)
         sc = Scenario.from_config(cfg, world, micro_batch=16 if world == 1 else 4)
         est = estimate(spec, sc, device)
-        m = measure(est, cfg, steps=10, warmup=3)
+        try:
+            m = measure(est, cfg, steps=10, warmup=3)
+        except Exception as err:  # noqa: BLE001 - one failing row must not lose the others
+            rows.append(f"| {name} | failed: {type(err).__name__}: {err} |")
+            print(rows[-1], flush=True)
+            continue
         st, cats = est.worst.states.device, m.categories
         want = (st["parameters"], st["gradients"], st["optimizer_state"],
                 est.worst.activations.in_flight)  # fmt: skip
@@ -268,6 +269,15 @@ def measured_rows(out_dir: Path) -> str:
                         "skipped": m.skipped, "estimated": dict(st, activations=want[3]),
                         "measured": cats})  # fmt: skip
         print(rows[-1], flush=True)
+        text = _write(out_dir, rows, records)  # after every row: a later failure loses nothing
+    return text
+
+
+def _write(out_dir: Path, rows: list[str], records: list[dict]) -> str:
+    import json
+
+    import torch
+
     text = f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n".join(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "estimate_measured.md").write_text(text + "\n")
