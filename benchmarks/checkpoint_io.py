@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from rank_procs import START, rank_context  # the sibling module (benchmarks/ is sys.path[0])
 from torch import nn
 
 PRESETS = {
@@ -194,12 +195,12 @@ def _free_port() -> int:
 def run(ranks: list[int], preset: dict, out_dir: str) -> list[dict]:
     """One fresh set of processes per (ranks, format): each starts from the same memory."""
     rows = []
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     for world in ranks:
         for fmt in FORMATS:
             results = ctx.SimpleQueue()
             args = (world, _free_port(), fmt, preset, out_dir, results)
-            mp.start_processes(_rank, args=args, nprocs=world, start_method="spawn")
+            mp.start_processes(_rank, args=args, nprocs=world, start_method=START)
             rows.append(results.get())
     return rows
 

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gridtrain as gt  # noqa: E402
+from benchmarks.rank_procs import START, rank_context  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.amp import AMP_TYPE  # noqa: E402
 
@@ -294,10 +295,10 @@ def _tp_worker(rank: int, world: int, port: int, args, preset: str, queue) -> No
 
 def tensor_parallel(args, preset: str, tp: int) -> float:
     """Tokens/s of the engine under 1d TP on ``tp`` processes (one GPU each)."""
-    mp = torch.multiprocessing.get_context("spawn")
+    mp = rank_context()
     queue = mp.SimpleQueue()
     torch.multiprocessing.start_processes(
-        _tp_worker, args=(tp, free_port(), args, preset, queue), nprocs=tp, start_method="spawn"
+        _tp_worker, args=(tp, free_port(), args, preset, queue), nprocs=tp, start_method=START
     )
     return queue.get()
 

@@ -33,7 +33,7 @@ import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
+from rank_procs import rank_context  # the sibling module (benchmarks/ is sys.path[0])
 from torch import nn
 
 import gridtrain as gt
@@ -258,7 +258,7 @@ def main() -> None:
     if args.single or (torch.cuda.device_count() == 1 and not args.cpu):
         _single(args)
         return
-    spawn = mp.get_context("spawn")
+    spawn = rank_context()
     device = "cpu"
     rows = []
     for p in args.stages:

@@ -26,8 +26,8 @@ import os
 import socket
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from rank_procs import rank_context  # the sibling module (benchmarks/ is sys.path[0])
 from torch import nn
 
 import gridtrain as gt
@@ -132,7 +132,7 @@ def _free_port() -> int:
 
 
 def run(world: int, variant: str, args) -> list[tuple[int, int, int]]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     port = _free_port()
     procs = [

@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gridtrain as gt  # noqa: E402
+from benchmarks.rank_procs import START, rank_context  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.amp import AMP_TYPE  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
@@ -123,7 +124,7 @@ def _memory_rank(rank, world, port, stage, preset, batch, queue):
 
 def memory_table(ranks: list[int], preset: dict, batch: int) -> list[dict]:
     rows = []
-    spawn = mp.get_context("spawn")
+    spawn = rank_context()
     for n in ranks:
         for stage in (0, 1, 2, 3):
             queue = spawn.SimpleQueue()
@@ -131,7 +132,7 @@ def memory_table(ranks: list[int], preset: dict, batch: int) -> list[dict]:
                 _memory_rank,
                 args=(n, free_port(), stage, preset, batch, queue),
                 nprocs=n,
-                start_method="spawn",
+                start_method=START,
             )
             rows.append(queue.get())
     return rows
@@ -260,13 +261,13 @@ def _run_rank(rank, world, port, mode, size, args, queue):
 
 
 def measure(mode: str, size, args) -> dict:
-    spawn = mp.get_context("spawn")
+    spawn = rank_context()
     queue = spawn.SimpleQueue()
     mp.start_processes(
         _run_rank,
         args=(args.world, free_port(), mode, size, args, queue),
         nprocs=args.world,
-        start_method="spawn",
+        start_method=START,
     )
     return queue.get()
 
