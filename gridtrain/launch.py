@@ -154,6 +154,7 @@ def _rendezvous_store(
       ``host`` says, so rank 0 binds the socket itself and hands it over
       (``master_listen_fd``). ``gridtrain run`` does the same for the agent's store
       (``gridtrain.cli.agent``).
+    - One process: a store in memory.
     """
     agent = (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -164,6 +165,8 @@ def _rendezvous_store(
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(host, port, world_size, False, timeout)
         return dist.PrefixStore(f"gridtrain/attempt_{attempt}", client)
+    if world_size == 1:
+        return dist.HashStore()  # nobody to meet: no port to bind (``python train.py``)
     if not is_loopback(host):
         return None
     if rank != 0:
@@ -206,15 +209,34 @@ def _env_int(*names: str) -> int:
     raise RuntimeError(f"environment variable {' or '.join(names)} is not set")
 
 
-def _config_from_env(config: ConfigLike | None) -> ConfigLike:
+DEFAULTS_NOTICE = (
+    "no config given (neither config=... nor `gridtrain run --config FILE`, which sets "
+    f"{CONFIG_ENV}): running with the defaults, data parallelism over every process"
+)
+
+
+def _config_from_env(config: ConfigLike | None, rank: int) -> ConfigLike:
     if config is not None:
         return config
-    if CONFIG_ENV not in os.environ:
-        raise ConfigError(
-            f"no config given: pass config=... or start through `gridtrain run --config FILE` "
-            f"(which sets {CONFIG_ENV})"
-        )
-    return os.environ[CONFIG_ENV]
+    if CONFIG_ENV in os.environ:
+        return os.environ[CONFIG_ENV]
+    if rank == 0:  # said once per job
+        logger.warning("%s", DEFAULTS_NOTICE)
+    return Config()
+
+
+def _torch_env() -> tuple[int, int, str, int, int]:
+    """(rank, world size, master address, port, local rank) as torchrun set them; one process
+    on loopback where none of them is set (``python train.py``: its store is in memory)."""
+    if not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_PORT")):
+        return 0, 1, "127.0.0.1", 0, 0
+    return (
+        _env_int("RANK"),
+        _env_int("WORLD_SIZE"),
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        _env_int("MASTER_PORT"),
+        _env_int("LOCAL_RANK"),
+    )
 
 
 def launch_from_torch(
@@ -225,19 +247,22 @@ def launch_from_torch(
 ) -> ParallelContext:
     """Launch from the variables torchrun / ``gridtrain run`` set (RANK, WORLD_SIZE, ...).
 
-    With ``config=None`` the path given to ``gridtrain run --config`` is used.
+    With ``config=None`` the path given to ``gridtrain run --config`` is used; without one
+    either, the defaults (``Config()``), said once. Started as ``python train.py`` (no RANK,
+    WORLD_SIZE or MASTER_PORT) it is one process.
     ``timeout_s`` defaults to the config's. ``gridtrain.failure_record`` says what a
     failing or stuck rank prints.
     """
     failure_record.install()
+    rank, world_size, host, port, local_rank = _torch_env()
     return launch(
-        _config_from_env(config),
-        rank=_env_int("RANK"),
-        world_size=_env_int("WORLD_SIZE"),
-        host=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        port=_env_int("MASTER_PORT"),
+        _config_from_env(config, rank),
+        rank=rank,
+        world_size=world_size,
+        host=host,
+        port=port,
         backend=backend,
-        local_rank=_env_int("LOCAL_RANK"),
+        local_rank=local_rank,
         seed=seed,
         timeout_s=timeout_s,
     )

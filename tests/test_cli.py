@@ -61,8 +61,7 @@ def run_args(*extra):
     [
         (["--config", "config.py", "missing.py"], "script 'missing.py' does not exist"),
         (["--config", "nope.py", "train.py"], "--config 'nope.py' does not exist"),
-        (["train.py"], "--config is required"),
-        (["train.py", "--config", "config.py"], "put --config before it"),
+        (["train.py", "--config", "config.py"], "put --config before the script"),
         (
             ["--host", "a", "--hostfile", "hosts.txt", "--config", "config.py", "train.py"],
             "give --host or --hostfile, not both",
@@ -381,6 +380,17 @@ def test_end_to_end_2d_run_builds_the_row_and_col_groups(tmp_path):
         assert f"rank {rank} PARALLEL_2D_COL {cols[rank]}" in lines, proc.stdout
         assert f"rank {rank} TENSOR [0, 1, 2, 3]" in lines
         assert f"rank {rank} args ['--x', '1']" in lines
+
+
+def test_without_config_the_workers_get_none(files, no_process, capsys, monkeypatch):
+    """No --config: no GRIDTRAIN_CONFIG reaches the workers, not even one of the shell's."""
+    monkeypatch.setenv(CONFIG_ENV, "/stale/config.py")
+    assert main(run_args("--nproc_per_node", "4", "--dry-run", "train.py")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{sys.executable} -m gridtrain.cli.agent --nproc_per_node 4"), out
+    spec = spec_for(["--host", "node1,node2", "train.py"])
+    for _, ssh in build_host_commands(spec, env={}, cwd="/w", python="/py"):
+        assert ssh[-1].startswith(f"cd /w && unset {CONFIG_ENV} && exec /py"), ssh[-1]
 
 
 # ---- elastic options ------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class RunSpec:
     is started per host and host ``i`` is node ``i``.
     """
 
-    config: str  # absolute path, exported as GRIDTRAIN_CONFIG
+    config: str | None  # absolute path, exported as GRIDTRAIN_CONFIG; None: the defaults
     script: str
     script_args: list[str] = field(default_factory=list)
     nproc_per_node: int = 1
@@ -190,7 +190,8 @@ def forwarded_env(spec: RunSpec, env: Mapping[str, str]) -> dict[str, str]:
                 f"environment variable {name!r} would be forwarded to every host but is not a "
                 "valid name ([A-Za-z_][A-Za-z0-9_]*); unset it or rename it"
             )
-    out[CONFIG_ENV] = spec.config
+    if spec.config is not None:
+        out[CONFIG_ENV] = spec.config
     return out
 
 
@@ -212,6 +213,10 @@ def build_host_commands(
     exports = " ".join(
         f"{shlex.quote(k)}={shlex.quote(v)}" for k, v in forwarded_env(spec, env).items()
     )
+    # no config: the remote shell's own GRIDTRAIN_CONFIG must not choose one either
+    setup = f"export {exports}" if spec.config is not None else f"unset {CONFIG_ENV}"
+    if spec.config is None and exports:
+        setup += f" && export {exports}"
     # -tt: the remote launcher gets a terminal, so when this ssh ends (gridtrain run stopped,
     # killed or interrupted) the remote side is hung up and the launcher stops its workers.
     ssh = ["ssh", "-tt"] + (["-p", str(spec.ssh_port)] if spec.ssh_port is not None else [])
@@ -219,7 +224,7 @@ def build_host_commands(
     for node_rank, host in enumerate(spec.hosts):
         check_host(host)
         remote = (
-            f"cd {shlex.quote(cwd)} && export {exports} && "
+            f"cd {shlex.quote(cwd)} && {setup} && "
             f"exec {shlex.join(torchrun_command(spec, python, node_rank))}"
         )
         commands.append((host, [*ssh, "--", host, remote]))

@@ -219,16 +219,20 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_local(argv: list[str], config: str) -> int:
-    """Run the launcher on this machine with GRIDTRAIN_CONFIG set; return its exit code.
+def run_local(argv: list[str], config: str | None) -> int:
+    """Run the launcher on this machine with GRIDTRAIN_CONFIG set (unset for None: the
+    workers run with the defaults); return its exit code.
 
     A signal sent to ``gridtrain run`` (SIGTERM, SIGINT, SIGHUP) reaches the
     launcher, which stops its workers; the exit code is then 128 + the signal.
     """
     from gridtrain.config import CONFIG_ENV
 
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+    if config is not None:
+        env[CONFIG_ENV] = config
     with Supervisor() as sup:
-        code = sup.wait(sup.start(argv, env={**os.environ, CONFIG_ENV: config}))
+        code = sup.wait(sup.start(argv, env=env))
     return 128 + sup.signalled if sup.signalled is not None else exit_code(code)
 
 

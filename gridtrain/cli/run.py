@@ -29,7 +29,7 @@ from gridtrain.cli.hosts import (
 )
 from gridtrain.cli.procs import run_hosts, run_local
 from gridtrain.cli.usage import UsageError, load_config
-from gridtrain.config import CONFIG_ENV, ConfigError
+from gridtrain.config import CONFIG_ENV, Config, ConfigError
 
 DESCRIPTION = """\
 Start train.py on nproc_per_node processes per node through torch's elastic
@@ -65,7 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # not required=True: run_spec says so itself, with a hint when it came after the script
-    run.add_argument("--config", help="gridtrain config (.py, .yaml or .yml); required")
+    run.add_argument(
+        "--config", help="gridtrain config (.py, .yaml or .yml); without it: the defaults"
+    )
     run.add_argument(
         "--nproc_per_node",
         "--nproc-per-node",
@@ -165,7 +167,7 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
     """
     _check_arguments(args)
     spec = RunSpec(
-        config=os.path.abspath(args.config),
+        config=os.path.abspath(args.config) if args.config is not None else None,
         script=args.script,
         script_args=list(args.script_args),
         nproc_per_node=args.nproc_per_node,
@@ -182,10 +184,11 @@ def run_spec(args: argparse.Namespace) -> RunSpec:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     """The checks that need no host list: required and exclusive arguments, bounds, files."""
-    if args.config is None:
-        late = any(a.split("=")[0] == "--config" for a in args.script_args)
-        hint = "; options after the script name go to the script, put --config before it"
-        raise UsageError("--config is required" + (hint if late else ""))
+    if args.config is None and any(a.split("=")[0] == "--config" for a in args.script_args):
+        raise UsageError(  # it would run with the defaults, and the script get the --config
+            "--config after the script name goes to the script, and gridtrain run was given "
+            "none; put --config before the script"
+        )
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc_per_node must be >= 1, got {args.nproc_per_node}")
     if args.nnodes is not None and args.nnodes < 1:
@@ -204,7 +207,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be in 1..65535, got {port}")
     if not Path(args.script).is_file():
         raise UsageError(f"script '{args.script}' does not exist")
-    if not Path(args.config).is_file():
+    if args.config is not None and not Path(args.config).is_file():
         raise UsageError(f"--config '{args.config}' does not exist")
 
 
@@ -281,7 +284,7 @@ def _elastic_args(args: argparse.Namespace, spec: RunSpec) -> list[str]:
 
 def _check_layout(spec: RunSpec) -> None:
     """Load the config and fail now, with its message, if the world size cannot run it."""
-    cfg = load_config(spec.config)
+    cfg = load_config(spec.config) if spec.config is not None else Config()
     try:
         cfg.check_run(spec.world_size)
     except ConfigError as err:
@@ -309,6 +312,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_hosts(commands)
     argv = torchrun_command(spec, sys.executable, spec.node_rank)
     if args.dry_run:
-        print(f"{CONFIG_ENV}={shlex.quote(spec.config)} {shlex.join(argv)}")
+        config = f"{CONFIG_ENV}={shlex.quote(spec.config)} " if spec.config is not None else ""
+        print(f"{config}{shlex.join(argv)}")
         return 0
     return run_local(argv, spec.config)
