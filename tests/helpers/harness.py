@@ -2,7 +2,8 @@
 
 ``run_distributed(fn, world_size, config=...)`` launches gridtrain on ranks
 0..N-1 (a fresh port each call), calls ``fn(ctx, *args)`` on each and returns
-the per-rank results in rank order. A rank that raises fails the call with that
+the per-rank results in rank order. ``backend="staged"`` launches them as CUDA
+ranks sharing the GPU instead (tests/gpu), collectives through gloo on host copies. A rank that raises fails the call with that
 rank's traceback; ranks left waiting in a collective are killed after a short
 grace instead of hanging, and so is a call that exceeds its timeout.
 
@@ -13,8 +14,9 @@ call in which a rank raised keeps the pool when every rank reported (the failure
 is the test's point, nothing is left waiting), and only a call with a rank that
 never reported (stuck in a collective, timed out, crashed) discards it.
 
-A rank's result leaves it as owned copies: every tensor is cloned before the rank
-tears down, and a DTensor (an FSDP2 / ZeRO 3 shard) is refused with its place in the
+A rank's result leaves it as owned CPU copies: every tensor is copied to the host
+before the rank tears down (a CUDA tensor would cross as an IPC handle on memory the rank
+frees), and a DTensor (an FSDP2 / ZeRO 3 shard) is refused with its place in the
 result. The queue otherwise moves a tensor's own storage into shared memory from a
 background thread after the function returned, which crashes the worker on storage
 FSDP2 still manages, and the call then waits out its whole timeout.
@@ -44,7 +46,7 @@ def free_port() -> int:
 
 def owned(value: Any, where: str = "result") -> Any:
     """``value`` with every tensor in it (nested in tuples, lists, dicts and dataclasses)
-    replaced by a detached copy; a DTensor is a ``TypeError`` naming where it is."""
+    replaced by a detached copy on the CPU; a DTensor is a ``TypeError`` naming where it is."""
     import dataclasses
 
     import torch
@@ -56,7 +58,7 @@ def owned(value: Any, where: str = "result") -> Any:
             "on every rank first (gt.full_state_dict, gt.full_optimizer_state_dict)"
         )
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
         return type(value)({k: owned(v, f"{where}[{k!r}]") for k, v in value.items()})
     if isinstance(value, list | tuple):
@@ -79,12 +81,12 @@ def _worker(index: int, tasks: mp.Queue, results: mp.Queue) -> None:
         task = tasks.get()
         if task is None:
             return
-        call_id, fn, rank, world_size, port, config, args, kwargs, do_launch = task
+        call_id, fn, rank, world_size, port, config, args, kwargs, do_launch, backend = task
         try:
             if do_launch:
                 import gridtrain as gt
 
-                ctx = gt.launch(config or {}, rank, world_size, "127.0.0.1", port, backend="gloo")
+                ctx = gt.launch(config or {}, rank, world_size, "127.0.0.1", port, backend=backend)
                 try:
                     out = owned(fn(ctx, *args, **kwargs))
                 finally:
@@ -193,6 +195,7 @@ def run_distributed(
     config: dict | None = None,
     timeout: float = 180.0,
     launch: bool = True,
+    backend: str = "gloo",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` gloo ranks; return each rank's result, in rank order.
@@ -200,6 +203,8 @@ def run_distributed(
     With ``launch=True`` each rank calls ``gridtrain.launch(config, ...)`` and
     then ``fn(ctx, *args, **kwargs)``; with ``launch=False`` it calls
     ``fn(rank, world_size, port, *args, **kwargs)`` and sets up nothing itself.
+    ``backend``: what ``gridtrain.launch`` is given (``"staged"``: CUDA ranks sharing
+    the GPU).
     ``fn`` must be a module-level function (it is pickled by name).
     """
     if not 1 <= world_size <= MAX_WORKERS:
@@ -209,7 +214,8 @@ def run_distributed(
     call_id = pool.calls
     port = free_port()
     for rank in range(world_size):
-        pool.tasks[rank].put((call_id, fn, rank, world_size, port, config, args, kwargs, launch))
+        task = (call_id, fn, rank, world_size, port, config, args, kwargs, launch, backend)
+        pool.tasks[rank].put(task)
 
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
