@@ -1,17 +1,21 @@
-"""GPT-2 training throughput: gridtrain's engine against a plain PyTorch loop, and 1d TP.
+"""GPT-2 training throughput: gridtrain's default config against plain PyTorch, eager and
+compiled, and 1d TP.
 
     python benchmarks/gpt_throughput.py                 # H200: 124M and 350M, seq 1024, bf16
     python benchmarks/gpt_throughput.py --device cpu    # tiny preset, short sequences (~1 min)
-    python benchmarks/gpt_throughput.py --presets medium --compile --fast --try fast+cdt
+    python benchmarks/gpt_throughput.py --presets medium --try fast+cdt
                                                         # more engine rows: EXTRAS joined by '+'
 
 Each row trains the same model (``demos/gpt/model.py``) on random tokens:
-``plain`` is the loop everyone writes (autocast bf16, fused AdamW, fp32 master
-weights); ``engine`` is ``gt.initialize`` with no parallelism and
-``fp16 = dict(mode=AMP_TYPE.BF16)``, driven by ``engine.execute_schedule``.
-The two alternate for ``--rounds`` rounds and each keeps its best round, so
-clock drift hits both alike. With several GPUs, ``engine tp=N`` rows run the
-engine under 1d tensor parallelism on N GPUs (same global batch), one process each.
+``plain eager`` is the loop everyone writes (autocast bf16, fused AdamW, fp32 master
+weights), ``plain compiled`` the same with ``torch.compile(model)``; ``engine`` is
+``gt.initialize`` with no parallelism and ``fp16 = dict(mode=AMP_TYPE.BF16)`` and no speed
+key, so it runs the device's defaults (on CUDA: blocks and loss compiled, cuDNN attention
+first on Hopper, fused AdamW), driven by ``engine.execute_schedule``. The rows alternate
+for ``--rounds`` rounds and each keeps its best round, so clock drift hits all alike; the
+table gives each engine row's ratio to both plain rows, and each row's first step (most
+of it compilation). With several GPUs, ``engine tp=N`` rows run the engine under 1d tensor
+parallelism on N GPUs (same global batch), one process each.
 
 MFU = tokens/s x FLOPs per token / (GPUs x peak), FLOPs per token =
 6·N (N = parameters without the position table) + 12·L·H·S for attention
@@ -57,16 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--dtype", default=None, choices=["bf16", "fp32"], help="default bf16 (cpu fp32)"
     )
-    p.add_argument("--compile", action="store_true", help="torch.compile the model in every mode")
     p.add_argument(
-        "--fast",
-        action="store_true",
-        help="'engine fast' row instead of 'engine': the engine's compile (model and loss), cuDNN "
-        "attention",
+        "--plain",
+        default=None,
+        help="plain rows, comma list of eager,compiled (default both; cpu eager: a C++ build)",
     )
     p.add_argument(
-        "--fp8", action="store_true", help="also an 'engine fast fp8' row (torchao float8)"
+        "--compile", action="store_true", help="a PlainLoop built without 'compiled' compiles"
     )
+    p.add_argument("--fp8", action="store_true", help="also an 'engine fp8' row (torchao float8)")
     p.add_argument(
         "--try",
         dest="variants",
@@ -85,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_size = args.batch_size or (16 if cuda else 8)
     args.steps = args.steps or (20 if cuda else 5)
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.plain = (args.plain or ("eager,compiled" if cuda else "eager")).split(",")
+    if set(args.plain) - {"eager", "compiled"}:
+        raise SystemExit(f"--plain: eager and/or compiled, got {args.plain}")
     gpus = torch.cuda.device_count() if cuda else 1
     if args.tp is None:
         args.tp = [n for n in (2, 4, 8) if n <= gpus] if cuda and _has_1d() else []
@@ -139,11 +145,13 @@ def adamw(model, device):
 
 
 class PlainLoop:
-    """What a user writes without gridtrain: autocast, loss.backward(), fused AdamW."""
+    """What a user writes without gridtrain: autocast, loss.backward(), fused AdamW;
+    ``compiled`` (default: ``args.compile``): ``torch.compile(model)``."""
 
-    def __init__(self, cfg, args, device):
+    def __init__(self, cfg, args, device, compiled: bool | None = None):
         model = gpt_model.GPT(cfg).to(device)  # gt.nn layers are plain modules until initialize
-        self.model = torch.compile(model) if args.compile else model
+        compiled = args.compile if compiled is None else compiled
+        self.model = torch.compile(model) if compiled else model
         self.opt = adamw(model, device)
         self.loss_fn = gpt_model.GPTLoss()
         self.dtype = torch.bfloat16 if args.dtype == "bf16" else None
@@ -163,6 +171,7 @@ class PlainLoop:
         self.opt.zero_grad(set_to_none=True)
 
 
+# what an unset config gets on a Hopper GPU (gridtrain.engine.speed), spelled out
 FAST = dict(compile=True, attention=dict(backends=["cudnn", "flash", "efficient", "math"]))
 # engine-only config keys by name, joined with '+' in --try and scripts/profile_step.py
 EXTRAS = {
@@ -201,12 +210,10 @@ def extra_for(spec: str) -> dict:
 class EngineLoop:
     """The same model through ``gt.initialize`` and ``engine.execute_schedule``; ``extra``
     config keys (``FAST``: the engine's ``compile`` per block and cuDNN ``attention``)
-    apply to this engine only."""
+    apply to this engine only; without them it runs the device's defaults."""
 
     def __init__(self, cfg, args, device, extra: dict | None = None):
         model = gpt_model.GPT(cfg).to(device)
-        if args.compile and not extra:
-            model = torch.compile(model)
         ctx = gt.get_context()
         launched = ctx.config  # every loop shares the launch; the extra keys are this one's
         if extra:
@@ -243,22 +250,30 @@ def timed_round(loop, batches, args, device) -> float:
     return args.steps * args.batch_size * args.seq_len / (time.perf_counter() - start)
 
 
-def single_device(args, preset: str) -> dict[str, float]:
-    """Best-of-rounds tokens/s of the plain loop and the engine, alternating."""
+def first_step_s(loop, batch, device) -> float:
+    """Seconds of ``loop``'s first step: with compilation, mostly compiling."""
+    sync(device)
+    start = time.perf_counter()
+    loop.step(batch)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def single_device(args, preset: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Best-of-rounds tokens/s of the plain loops and the engine rows, alternating; and each
+    row's first step in seconds."""
     cfg = gpt_model.preset(
         preset, block_size=max(args.seq_len, gpt_model.PRESETS[preset].block_size)
     )
     device = args.device
     batches = make_batches(cfg, args, device)
-    loops = {"plain": PlainLoop(cfg, args, device)}
-    if args.fast:  # instead of the engine row: its compile replaces the whole-model one
-        loops["engine fast"] = EngineLoop(cfg, args, device, extra=FAST)
-    else:
-        loops["engine"] = EngineLoop(cfg, args, device)
+    loops = {f"plain {how}": PlainLoop(cfg, args, device, how == "compiled") for how in args.plain}
+    loops["engine"] = EngineLoop(cfg, args, device)
     if args.fp8:
-        loops["engine fast fp8"] = EngineLoop(cfg, args, device, extra=extra_for("fast+fp8"))
+        loops["engine fp8"] = EngineLoop(cfg, args, device, extra=dict(fp8=True))
     for spec in filter(None, args.variants.split(",")):
         loops[f"engine {spec}"] = EngineLoop(cfg, args, device, extra=extra_for(spec))
+    first = {name: first_step_s(loop, batches[0], device) for name, loop in loops.items()}
     best = dict.fromkeys(loops, 0.0)
     for r in range(args.rounds):
         for name, loop in loops.items():
@@ -275,7 +290,7 @@ def single_device(args, preset: str) -> dict[str, float]:
     del loops
     if device == "cuda":
         torch.cuda.empty_cache()
-    return best
+    return best, first
 
 
 def _tp_worker(rank: int, world: int, port: int, args, preset: str, queue) -> None:
@@ -320,11 +335,13 @@ def main(argv=None) -> list[dict]:
     for preset in args.presets:
         cfg = gpt_model.preset(preset)
         flops = cfg.flops_per_token(args.seq_len)
-        best = single_device(args, preset)
+        best, first = single_device(args, preset)
         for mode in best:
             rows.append(dict(preset=preset, mode=mode, gpus=1, tok_s=best[mode]))
-            if mode != "plain":
-                rows[-1]["ratio"] = best[mode] / best["plain"]
+            rows[-1]["first_s"] = first[mode]
+            for how in args.plain:
+                if mode.startswith("engine"):
+                    rows[-1][how] = best[mode] / best[f"plain {how}"]
         for tp in args.tp:
             rows.append(
                 dict(
@@ -346,17 +363,22 @@ def main(argv=None) -> list[dict]:
 def print_table(rows: list[dict], args, peak_note: str) -> None:
     print(
         f"\nGPT throughput: seq {args.seq_len}, batch {args.batch_size}, {args.dtype}, "
-        f"{args.device}{' (compiled)' if args.compile else ''}; best of {args.rounds} rounds x "
-        f"{args.steps} steps; MFU peak: {peak_note}"
+        f"{args.device}; engine: the default config (no speed key); best of {args.rounds} "
+        f"rounds x {args.steps} steps; MFU peak: {peak_note}"
     )
-    head = f"{'preset':<8} {'params':>8} {'mode':<26} {'tokens/s':>12} {'tok/s/device':>12} {'MFU':>7} {'engine/plain':>13}"
+    ratios = "".join(f" {'vs ' + how:>12}" for how in args.plain)
+    head = (
+        f"{'preset':<8} {'params':>8} {'mode':<26} {'tokens/s':>12} {'tok/s/device':>12} "
+        f"{'MFU':>7} {'1st step s':>10}{ratios}"
+    )
     print(head + "\n" + "-" * len(head))
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+        first = f"{r['first_s']:.1f}" if "first_s" in r else "-"
+        cells = "".join(f" {r[how]:>12.3f}" if how in r else f" {'':>12}" for how in args.plain)
         print(
             f"{r['preset']:<8} {r['params_m']:>7.1f}M {r['mode']:<26} {r['tok_s']:>12,.0f} "
-            f"{r['tok_s'] / r['gpus']:>12,.0f} {mfu:>7} {ratio:>13}"
+            f"{r['tok_s'] / r['gpus']:>12,.0f} {mfu:>7} {first:>10}{cells}"
         )
 
 

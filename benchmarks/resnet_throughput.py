@@ -1,4 +1,5 @@
-"""ResNet-18 training throughput: the gridtrain engine against a plain PyTorch loop.
+"""ResNet-18 training throughput: gridtrain's default config against plain PyTorch, eager and
+compiled.
 
     python benchmarks/resnet_throughput.py                      # one process
     gridtrain run --nproc_per_node 4 --config demos/resnet/configs/fp32.py \\
@@ -6,8 +7,10 @@
 
 For each precision (fp32, torch fp16, naive fp16, bf16) the same model (same
 initial weights, same Adam (fused on CUDA), same fixed batch already on the device) is trained
-through ``engine.execute_schedule`` + ``engine.step`` and through the textbook
-PyTorch loop of that precision:
+through ``engine.execute_schedule`` + ``engine.step`` (the config names no speed key: the
+device's defaults, on CUDA the repeated blocks compiled and fused Adam) and through the
+textbook PyTorch loop of that precision, eager (``plain``) and under
+``torch.compile(model)`` (``compiled``; CUDA only by default, ``--plain``):
 
 * fp32: forward, loss, backward, step;
 * torch_fp16: ``torch.autocast(float16)`` + ``torch.amp.GradScaler``;
@@ -19,10 +22,10 @@ PyTorch loop of that precision:
 Fairness: warm-up steps first (cuDNN autotuning, allocator), then ``--repeats``
 rounds that each time ``--steps`` steps of both sides, alternating which goes
 first, with the device synchronised around every timed block; the table shows
-the median images/s (global: all data-parallel ranks) and engine / plain. The
-first-step losses of both sides are printed as a check that they do the same
-work. Runs on CUDA when present (the target: ratio >= 0.97), else on the CPU
-with small defaults.
+the median images/s (global: all data-parallel ranks) and the engine's ratio to each plain
+loop. The first-step losses of the engine and plain eager are printed as a check that they
+do the same work. Runs on CUDA when present (the target: engine / plain >= 1.0), else on
+the CPU with small defaults.
 """
 
 from __future__ import annotations
@@ -61,7 +64,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20 if cuda else 1, help="untimed steps")
     p.add_argument("--stem", choices=("cifar", "imagenet"), default="cifar" if cuda else "imagenet")
     p.add_argument("--image_size", type=int, default=32)
+    p.add_argument(
+        "--plain", default="eager,compiled" if cuda else "eager", help="plain loops to time"
+    )
     args = p.parse_args()
+    args.plain = args.plain.split(",")
+    if set(args.plain) - {"eager", "compiled"}:
+        p.error(f"--plain: eager and/or compiled, got {args.plain}")
     unknown = set(args.precisions.split(",")) - set(PRECISIONS)
     if unknown:
         p.error(f"--precisions: unknown {sorted(unknown)}; allowed: {', '.join(PRECISIONS)}")
@@ -87,14 +96,18 @@ def _fused(device) -> bool:
     return device.type == "cuda"
 
 
-def plain_step_fn(model: nn.Module, precision: str, device, x, y, world: int) -> Callable:
-    """One training step of the textbook loop for ``precision``; returns the loss."""
+def plain_step_fn(
+    model: nn.Module, precision: str, device, x, y, world: int, compiled: bool = False
+) -> Callable:
+    """One training step of the textbook loop for ``precision`` (``compiled``: through
+    ``torch.compile(model)``); returns the loss."""
     if precision == "naive_fp16":
         model.half()
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     params = [p for p in model.parameters() if p.requires_grad]
+    model = torch.compile(model) if compiled else model
 
     if precision == "naive_fp16":
         masters = [p.detach().clone().float() for p in params]
@@ -179,55 +192,73 @@ def launch() -> gt.ParallelContext:
     return gt.launch({}, rank=0, world_size=1, host="127.0.0.1", port=port)
 
 
+def measure(precision: str, reference: nn.Module, ctx, args, x, y) -> dict:
+    """Median images/s of the engine and each plain loop for ``precision``; the first
+    losses of the engine and plain eager."""
+    device, world = ctx.device, ctx.world_size()
+    steps = {"engine": engine_step_fn(copy.deepcopy(reference), precision, ctx, x, y)}
+    for how in args.plain:
+        model = copy.deepcopy(reference).to(device)
+        steps[how] = plain_step_fn(model, precision, device, x, y, world, how == "compiled")
+    first = {name: float(step()) for name, step in steps.items()}
+    for _ in range(args.warmup - 1):
+        for step in steps.values():
+            step()
+    rates = {name: [] for name in steps}
+    order = list(steps.items())
+    for r in range(args.repeats):
+        for name, step in order[r % len(order) :] + order[: r % len(order)]:  # rotate who leads
+            seconds = timed(step, args.steps, device)
+            rates[name].append(args.batch * world * args.steps / seconds)
+    del steps
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(
+        median={name: statistics.median(v) for name, v in rates.items()},
+        spread=max(max(v) / min(v) - 1 for v in rates.values()),
+        first=first,
+    )
+
+
+def print_table(rows: dict, args, ctx) -> None:
+    device, world = ctx.device, ctx.world_size()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"ResNet-18 ({args.stem} stem, {args.image_size}px), batch {args.batch} x {world} "
+        f"process(es) on {name}; engine: the default config (no speed key); {args.warmup} "
+        f"warm-up, median of {args.repeats} x {args.steps} steps"
+    )
+    label = {"eager": "plain", "compiled": "compiled"}
+    cols = "".join(f" {label[h] + ' img/s':>15}" for h in args.plain)
+    ratios = "".join(f" {'vs ' + label[h]:>11}" for h in args.plain)
+    print(
+        f"{'precision':<11} {'engine img/s':>13}{cols}{ratios} {'spread':>7} "
+        f"{'1st loss engine/plain':>22}"
+    )
+    for precision, r in rows.items():
+        m = r["median"]
+        cols = "".join(f" {m[h]:>15.1f}" for h in args.plain)
+        ratios = "".join(f" {m['engine'] / m[h]:>11.3f}" for h in args.plain)
+        plain_first = r["first"].get("eager", float("nan"))
+        print(
+            f"{precision:<11} {m['engine']:>13.1f}{cols}{ratios} {r['spread']:>6.1%} "
+            f"{r['first']['engine']:>11.4f}/{plain_first:.4f}"
+        )
+
+
 def main() -> None:
     args = parse_args()
     ctx = launch()
-    device, world = ctx.device, ctx.world_size()
+    device = ctx.device
     torch.backends.cudnn.benchmark = True  # both sides, same process
     g = torch.Generator().manual_seed(ctx.global_rank)
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g).to(device)
     y = torch.randint(10, (args.batch,), generator=g).to(device)
     torch.manual_seed(0)
     reference = make_model(args.stem)
-
-    rows = []
-    for precision in args.precisions.split(","):
-        engine_step = engine_step_fn(copy.deepcopy(reference), precision, ctx, x, y)
-        plain_model = copy.deepcopy(reference).to(device)
-        plain_step = plain_step_fn(plain_model, precision, device, x, y, world)
-        first = (float(engine_step()), float(plain_step()))
-        for _ in range(args.warmup - 1):
-            engine_step()
-            plain_step()
-        rates = {"engine": [], "plain": []}
-        for r in range(args.repeats):
-            order = [("engine", engine_step), ("plain", plain_step)]
-            for name, step in order if r % 2 == 0 else order[::-1]:
-                seconds = timed(step, args.steps, device)
-                rates[name].append(args.batch * world * args.steps / seconds)
-        e, p = statistics.median(rates["engine"]), statistics.median(rates["plain"])
-        spread = max(max(v) / min(v) - 1 for v in rates.values())
-        rows.append((precision, e, p, e / p, spread, *first))
-        del engine_step, plain_step, plain_model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
+    rows = {p: measure(p, reference, ctx, args, x, y) for p in args.precisions.split(",")}
     if ctx.global_rank == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        print(
-            f"ResNet-18 ({args.stem} stem, {args.image_size}px), batch {args.batch} x {world} "
-            f"process(es) on {name}; {args.warmup} warm-up, median of {args.repeats} x "
-            f"{args.steps} steps"
-        )
-        print(
-            f"{'precision':<11} {'engine img/s':>13} {'plain img/s':>12} {'ratio':>7} "
-            f"{'spread':>7} {'1st loss engine/plain':>22}"
-        )
-        for precision, e, p, ratio, spread, le, lp in rows:
-            print(
-                f"{precision:<11} {e:>13.1f} {p:>12.1f} {ratio:>7.3f} {spread:>6.1%} "
-                f"{le:>11.4f}/{lp:.4f}"
-            )
+        print_table(rows, args, ctx)
     gt.destroy()
 
 

@@ -37,16 +37,23 @@ def _num(text: str) -> float:
 
 
 def check_gpt(out):
-    rows = {" ".join(r[2:5] if r[3] == "1d" else r[2:3]): r for r in _rows(out, "tiny")}
-    assert set(rows) == {"plain", "engine", "engine 1d tp=2"}, out  # mode -> row
-    assert _num(rows["plain"][3]) > 0 and _num(rows["engine 1d tp=2"][-3]) > 0  # tokens/s
-    assert _num(rows["engine"][-1]) > 0  # engine / plain
+    words = {"plain": 2, "engine": 1}  # the mode's words after the preset and size
+    rows = {}
+    for r in _rows(out, "tiny"):
+        n = 3 if r[3] == "1d" else words[r[2]]
+        rows[" ".join(r[2 : 2 + n])] = r[2 + n :]
+    assert set(rows) == {"plain eager", "engine", "engine 1d tp=2"}, out  # mode -> row
+    assert _num(rows["plain eager"][0]) > 0 and _num(rows["engine 1d tp=2"][0]) > 0  # tokens/s
+    assert _num(rows["engine"][-1]) > 0  # engine / plain eager
 
 
 def check_hf(out):
-    assert "GPT2LMHeadModel" in out
-    assert _num(_row(out, "plain")[1]) > 0
-    assert _num(_row(out, "engine")[-1]) > 0  # engine / plain
+    rows = {
+        " ".join(r[2:4] if r[2] == "plain" else r[2:3]): r for r in _rows(out, "GPT2LMHeadModel")
+    }
+    assert set(rows) == {"plain eager", "engine"}, out  # loop -> row
+    assert _num(rows["plain eager"][4]) > 0  # tokens/s
+    assert _num(rows["engine"][-1]) > 0  # engine / plain eager
 
 
 def check_moe(out):
