@@ -24,10 +24,9 @@ CPU defaults), to debug the test itself without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+import torch._inductor.config
 from gpu_env import ON_CUDA, is_hopper, rel_errs
 from helpers.harness import run_distributed
 from helpers.logs import gridtrain_warnings
@@ -47,9 +46,6 @@ from test_hf_parity import STAGE_SHARE, as_pairs, dense_loss, hf_batches, tiny_m
 from test_hf_parity import lm_loss as hf_lm_loss
 
 from gridtrain.amp import AMP_TYPE
-
-# eight ranks compile at once on the GPU machine's cores: one compile worker each, not a pool
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 BACKEND = "staged" if ON_CUDA else "gloo"
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 64
@@ -136,6 +132,7 @@ def _train(ctx, model: str, dense_numel: int) -> object:
             state=state_share(engine, dense_numel, per_param=1),  # one momentum buffer
         )
 
+    torch._inductor.config.compile_threads = 1  # up to 8 ranks compile at once: no pools
     torch._dynamo.reset()  # a fresh compile per cell, not dynamo's recompile limit
     with gridtrain_warnings() as warned:
         run = engine_run(ctx, build, data, loss, sgd, probe=probe, **init_kw)
