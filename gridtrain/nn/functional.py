@@ -21,10 +21,18 @@ def position_ids(seq_len: int, device=None, ctx: ParallelContext | None = None) 
     return _sequence_positions(seq_len, device, ctx)
 
 
-def attention(q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None, ctx=None):
+def attention(
+    q, k, v, causal=False, key_padding_mask=None, dropout_p=0.0, scale=None, ctx=None, *,
+    window=None, softcap=None, sinks=None,
+):  # fmt: skip
     """Softmax attention of ``[B, H, s, D]`` q, k, v; ``key_padding_mask`` ``[B, s]``, True = pad.
 
     Ring self-attention under 'sequence' (``parallel.tensor.ring_attention`` picks the
     variant); ``scaled_dot_product_attention`` on the local heads in every other mode.
+    ``window`` (causal only): each query sees the ``window`` keys ending at itself (a
+    sliding window); ``softcap``: scaled scores become ``softcap * tanh(scores / softcap)``;
+    ``sinks`` (``[H]``): a learned logit per head in each row's softmax denominator that
+    attends to nothing. All from global positions, as one process computes them.
     """
-    return ring_attention(q, k, v, causal, key_padding_mask, dropout_p, scale, ctx=ctx)
+    mods = dict(window=window, softcap=softcap, sinks=sinks)
+    return ring_attention(q, k, v, causal, key_padding_mask, dropout_p, scale, ctx=ctx, **mods)

@@ -18,6 +18,13 @@ Two variants, equal in result (``parallel.tensor.ring_attention`` picks one):
 
 Both backward passes send each key/value gradient accumulator round the ring
 with its block, so dQ, dK and dV are exact.
+
+Both also compute what attention variants do to the scores, from global positions, as
+one process would: a sliding ``window`` (a query sees only the ``window`` keys ending at
+itself, Mistral's and Gemma's local layers), a ``softcap`` (scores ``c * tanh(x / c)``
+after scaling, Gemma2's) and ``sinks`` (a learned logit per head in every row's softmax
+denominator that attends to nothing, gpt-oss's). The online variant skips key blocks the
+window or causality hides entirely.
 """
 
 from __future__ import annotations
@@ -109,20 +116,47 @@ class RingAV(torch.autograd.Function):
         return dp, dv, None
 
 
-def allowed_mask(rows: range, cols: range, causal: bool, key_pad: Tensor | None) -> Tensor | None:
+def allowed_mask(
+    rows: range, cols: range, causal: bool, key_pad: Tensor | None, window: int | None = None
+) -> Tensor | None:
     """Bool ``[B|1, 1, len(rows), len(cols)]``, True where query row may see key col; None = all.
 
-    ``rows``/``cols`` are global positions; ``key_pad`` is ``[B, len(cols)]``, True = padding.
+    ``rows``/``cols`` are global positions; ``key_pad`` is ``[B, len(cols)]``, True = padding;
+    ``window``: a query sees only keys fewer than ``window`` positions behind it
+    (``transformers``' sliding window: ``kv > q - window``).
     """
     mask = None
-    if causal:
+    if causal or window is not None:
         r = torch.tensor(rows).unsqueeze(1)
         c = torch.tensor(cols).unsqueeze(0)
-        mask = (c <= r)[None, None]
+        mask = torch.ones(len(rows), len(cols), dtype=torch.bool)
+        if causal:
+            mask &= c <= r
+        if window is not None:
+            mask &= c > r - window
+        mask = mask[None, None]
     if key_pad is not None:
         keep = ~key_pad[:, None, None, :]
         mask = keep if mask is None else keep & mask.to(keep.device)
     return mask
+
+
+def capped(scores: Tensor, softcap: float | None) -> Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma2's attention soft cap), or ``scores``."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def softmax_probs(scores: Tensor, mask: Tensor | None, sinks: Tensor | None, dtype) -> Tensor:
+    """The softmax over the keys of ``scores`` (``[B, H, s, keys]``), masked keys excluded and
+    computed in at least float32; ``sinks`` (``[H]``): one more logit per head in each row's
+    denominator, whose probability is dropped (it attends to nothing)."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), NEG_INF)
+    scores = scores.to(_acc(scores))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(dtype)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(dtype)
 
 
 def standard_attention(
@@ -134,14 +168,16 @@ def standard_attention(
     key_pad_full: Tensor | None,
     dropout_p: float,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """The paper's ring self-attention: keeps this rank's ``s x S`` scores and probabilities."""
     n, r, s = comm.world(group), comm.rank_in(group), q.shape[-2]
-    scores = RingQK.apply(q, k, group) * scale
-    mask = allowed_mask(range(r * s, (r + 1) * s), range(n * s), causal, key_pad_full)
-    if mask is not None:
-        scores = scores.masked_fill(~mask.to(scores.device), NEG_INF)
-    probs = torch.softmax(scores.to(_acc(q)), dim=-1).to(q.dtype)
+    scores = capped(RingQK.apply(q, k, group) * scale, softcap)
+    mask = allowed_mask(range(r * s, (r + 1) * s), range(n * s), causal, key_pad_full, window)
+    probs = softmax_probs(scores, mask, sinks, q.dtype)
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p)
     return RingAV.apply(probs, v, group)
@@ -186,9 +222,9 @@ def _block_fused(q: Tensor, kb: Tensor, vb: Tensor, mask: Tensor | None, scale: 
     return out, lse
 
 
-def _block_plain(q, kb, vb, mask, scale, keep, dropout_p):
+def _block_plain(q, kb, vb, mask, scale, keep, dropout_p, softcap=None):
     """(out, lse) of one block with matmuls; dropout scales the kept probabilities."""
-    sc = (q @ kb.transpose(-1, -2)).to(_acc(q)) * scale
+    sc = capped((q @ kb.transpose(-1, -2)).to(_acc(q)) * scale, softcap)
     if mask is not None:
         sc = sc.masked_fill(~mask, NEG_INF)
     m = sc.amax(dim=-1, keepdim=True)
@@ -202,42 +238,46 @@ def _block_plain(q, kb, vb, mask, scale, keep, dropout_p):
 
 
 class RingOnlineAttention(torch.autograd.Function):
-    """Ring attention with online softmax: saves only q, k, v, out and the row log-sum-exp."""
+    """Ring attention with online softmax: saves only q, k, v, out and the row log-sum-exp.
+
+    ``mods``: (window, softcap); ``sinks`` (``[H]`` or None) are merged into the log-sum-exp
+    after the ring, and get their gradient ``-sum(p_sink * rowsum(dO * O))``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_pad_full, group, causal, scale, dropout_p, seed):
+    def forward(ctx, q, k, v, key_pad_full, sinks, group, causal, scale, dropout_p, seed, mods):
         n, r, s = comm.world(group), comm.rank_in(group), q.shape[-2]
-        rows = range(r * s, (r + 1) * s)
+        window, softcap = mods
         acc = _acc(q)
         out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1] + (1,), NEG_INF, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for i in range(n):
             owner = (r - i) % n
-            if not (causal and owner > r):  # blocks wholly in the future are skipped
+            mask = _block_mask(r, owner, s, causal, window, key_pad_full, q.device)
+            if mask is not False:  # False: every key of the block is hidden
                 kb, vb = kv[0], kv[1]
-                pad = None if key_pad_full is None else key_pad_full[:, _span(owner, s)]
-                mask = allowed_mask(rows, _span_range(owner, s), causal and owner == r, pad)
-                mask = None if mask is None else mask.to(q.device)
-                res = None if dropout_p > 0 else _block_fused(q, kb, vb, mask, scale)
+                fused = dropout_p == 0 and softcap is None
+                res = _block_fused(q, kb, vb, mask, scale) if fused else None
                 if res is None:
                     keep = None
                     if dropout_p > 0:
                         keep = _keep_mask(seed, owner, q.shape[:-1] + (s,), q.device, dropout_p)
-                    res = _block_plain(q, kb, vb, mask, scale, keep, dropout_p)
+                    res = _block_plain(q, kb, vb, mask, scale, keep, dropout_p, softcap)
                 out, lse = _merge(out, lse, *res)
             if i < n - 1:
                 kv = _ring(kv, group)
-        ctx.save_for_backward(q, k, v, out, lse, key_pad_full)
-        ctx.args = (group, causal, scale, dropout_p, seed)
+        if sinks is not None:  # the sink's logit joins the denominator, its value is 0
+            sink = sinks.to(acc).view(1, -1, 1, 1).expand_as(lse)
+            out, lse = _merge(out, lse, torch.zeros_like(out), sink)
+        ctx.save_for_backward(q, k, v, out, lse, key_pad_full, sinks)
+        ctx.args = (group, causal, scale, dropout_p, seed, mods)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, key_pad_full = ctx.saved_tensors
-        group, causal, scale, dropout_p, seed = ctx.args
+        q, k, v, out, lse, key_pad_full, sinks = ctx.saved_tensors
+        group, causal, scale, dropout_p, seed, (window, softcap) = ctx.args
         n, r, s = comm.world(group), comm.rank_in(group), q.shape[-2]
-        rows = range(r * s, (r + 1) * s)
         acc = _acc(q)
         g = grad.to(acc)
         delta = (g * out).sum(dim=-1, keepdim=True)  # rowsum(dO * O) = rowsum(dP * P)
@@ -248,13 +288,13 @@ class RingOnlineAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for i in range(n):
             owner = (r - i) % n
-            if not (causal and owner > r):
+            mask = _block_mask(r, owner, s, causal, window, key_pad_full, q.device)
+            if mask is not False:
                 kb, vb = kv[0].to(acc), kv[1].to(acc)
-                sc = (qf @ kb.transpose(-1, -2)) * scale
-                pad = None if key_pad_full is None else key_pad_full[:, _span(owner, s)]
-                mask = allowed_mask(rows, _span_range(owner, s), causal and owner == r, pad)
+                raw = (qf @ kb.transpose(-1, -2)) * scale
+                sc = capped(raw, softcap)
                 if mask is not None:
-                    sc = sc.masked_fill(~mask.to(q.device), NEG_INF)
+                    sc = sc.masked_fill(~mask, NEG_INF)
                 p = torch.exp(sc - lse_safe)
                 dp = g @ vb.transpose(-1, -2)
                 pd = p
@@ -263,13 +303,33 @@ class RingOnlineAttention(torch.autograd.Function):
                     keep = keep / (1 - dropout_p)
                     pd, dp = p * keep, dp * keep
                 ds = p * (dp - delta) * scale
+                if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+                    ds = ds * (1 - (sc.masked_fill(torch.isinf(sc), 0.0) / softcap) ** 2)
                 dq += ds @ kb
                 dkv[0] += ds.transpose(-1, -2) @ qf
                 dkv[1] += pd.transpose(-1, -2) @ g
             if i < n - 1:
                 kv = _ring(kv, group)
             dkv = _ring(dkv, group)  # n passes in all: back at the block's owner
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *([None] * 6)
+        dsinks = None
+        if sinks is not None:
+            sink = sinks.to(acc).view(1, -1, 1, 1)
+            dsinks = -(torch.exp(sink - lse_safe) * delta).sum(dim=(0, 2, 3)).to(sinks.dtype)
+        grads = (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, dsinks)
+        return *grads, *([None] * 6)
+
+
+def _block_mask(r: int, owner: int, s: int, causal: bool, window, key_pad_full, device):
+    """The mask of rank ``r``'s queries against ``owner``'s key block: None (every key seen),
+    False (none: causality or the window hides the whole block), or a bool tensor."""
+    if causal and owner > r:
+        return False
+    if window is not None and r * s - ((owner + 1) * s - 1) >= window:
+        return False
+    pad = None if key_pad_full is None else key_pad_full[:, _span(owner, s)]
+    rows, cols = range(r * s, (r + 1) * s), _span_range(owner, s)
+    mask = allowed_mask(rows, cols, causal and owner == r, pad, window)
+    return None if mask is None else mask.to(device)
 
 
 def _span_range(owner: int, s: int) -> range:
@@ -283,9 +343,15 @@ def _merge(out, lse, out_b, lse_b):
     return out * torch.exp(lse - safe) + out_b * torch.exp(lse_b - safe), new
 
 
-def online_attention(q, k, v, group, causal, key_pad_full, dropout_p, scale, seed=0):
+def online_attention(
+    q, k, v, group, causal, key_pad_full, dropout_p, scale, seed=0, *, window=None, softcap=None,
+    sinks=None,
+):  # fmt: skip
     """Memory-lean ring attention (online softmax); see ``RingOnlineAttention``."""
-    return RingOnlineAttention.apply(q, k, v, key_pad_full, group, causal, scale, dropout_p, seed)
+    mods = (window, softcap)
+    return RingOnlineAttention.apply(
+        q, k, v, key_pad_full, sinks, group, causal, scale, dropout_p, seed, mods
+    )
 
 
 def default_scale(head_dim: int) -> float:
