@@ -19,7 +19,9 @@ Using Megatron-LM" (SC'21, arXiv:2104.04473), Table 1: GPT models with vocabular
 51,200 and sequence 2048 on Selene (DGX A100 80 GB, NVLink 3, 8 x 200 Gb/s HDR per node),
 mixed precision with fp32 master weights (our ``naive``), activation recomputation, the
 interleaved schedule; 2021's attention kept its scores (our ``attention="math"``) and
-GPT dropout is 0.1. Stages are cut with ``partition="parameters"``, as the paper's are:
+GPT dropout is 0.1. Megatron-LM then all-reduced the data-parallel gradients after the
+backward pass (its DDP's ``allreduce_gradients()`` in ``train_step``; overlapping came with
+``overlap_grad_reduce`` in 2023): our ``overlap_dp=False``, as a ``gradient_handler`` runs. Stages are cut with ``partition="parameters"``, as the paper's are:
 "uniform" counts the embedding and the head as layers, so at 128 blocks over 64 stages
 one stage would get 3 blocks and pace the pipeline at 2/3 of the speed. Their per-GPU throughput is model FLOPs by their Eq. 3,
 ``F = 96 B s l h^2 (1 + s/6h + V/16lh)`` per iteration (recompute included), over time and
@@ -109,7 +111,7 @@ def megatron_rows() -> list[tuple]:
                     world=n, pipeline=p, tensor=t, mode="1d" if t > 1 else None, chunks=v,
                     micro_batch=b, pipeline_micro=m if p > 1 else 1,
                     accumulation=1 if p > 1 else m, amp="naive", recompute="full",
-                    attention="math", partition="parameters",
+                    attention="math", partition="parameters", overlap_dp=False,
                 )  # fmt: skip
                 try:
                     est = estimate(spec, sc, device)

@@ -250,6 +250,12 @@ def test_config_keys_are_honoured(tmp_path, capsys):
                          "--model", "gpt2-124m", "--world-size", "2"], capsys)  # fmt: skip
     assert code == 0 and "not modelled: zero.delayed_update" in out
     assert "12 of 12 blocks recomputed" in out
+    # a data-parallel gradient handler all-reduces after the backward: nothing overlaps it
+    overlapped, handled = (
+        _estimate_of(tmp_path, text, world=8).worst
+        for text in ("", "gradient_handler = [dict(type='DataParallelGradientHandler')]\n")
+    )
+    assert handled.exposed_dp_s == handled.overlapped_s > overlapped.exposed_dp_s
 
 
 def test_recompute_help_tells_the_truth():

@@ -5,12 +5,13 @@ Read: ``parallel.pipeline`` (size, num_chunks, partition), ``parallel.tensor`` (
 depth, ring_attention), ``num_microbatches``, ``gradient_accumulation``, ``fp16.mode``,
 ``clip_grad_norm``, ``zero`` (stage, offload, bucket_size_mb, keep_unsharded_grads),
 ``activation_checkpoint`` (every), ``chunked_loss`` (chunk_tokens, recompute),
-``moe.expert_parallel_size``, ``attention.backends`` (``"math"`` first keeps the scores).
+``moe.expert_parallel_size``, ``attention.backends`` (``"math"`` first keeps the scores), a
+data-parallel ``gradient_handler`` (its all-reduce runs after backward, not overlapped with it:
+``Scenario.overlap_dp``).
 
 Named, not modelled: ``compile`` (fused kernels change time), ``fp8`` (float8 matmuls and
 their casts), ``zero.delayed_update`` (Gemini's host step overlapping the next step),
-``zero.device_param_mb`` (Gemini streaming the chunks that do not fit), a data-parallel
-``gradient_handler`` (its all-reduce runs after backward, not overlapped with it),
+``zero.device_param_mb`` (Gemini streaming the chunks that do not fit),
 ``parallel.tensor.plan`` and ``parallel.pipeline.tensor_shape`` (the estimate plans its own
 model). Keys that change neither (seeds, loss-scale settings, timeouts) are not listed.
 """
@@ -64,7 +65,8 @@ def from_config(
         ring=tc.ring_attention, partition=cfg.parallel.pipeline.partition,
         clip=cfg.clip_grad_norm > 0, attention=attention or _attention(cfg),
         chunk_tokens=cl.chunk_tokens if cl else 0, chunk_recompute=bool(cl and cl.recompute),
-        expert_parallel=cfg.moe.expert_parallel_size, unmodelled=unmodelled(cfg),
+        expert_parallel=cfg.moe.expert_parallel_size, overlap_dp=_overlap_dp(cfg),
+        unmodelled=unmodelled(cfg),
     )  # fmt: skip
 
 
@@ -80,13 +82,16 @@ def unmodelled(cfg: Config) -> tuple[str, ...]:
         out.append("zero.delayed_update (the host step overlaps the next step: time)")
     if zc is not None and zc.device_param_mb is not None:
         out.append("zero.device_param_mb (chunks streamed: every chunk counted resident)")
-    if any(h.type in DATA_PARALLEL_HANDLERS for h in cfg.gradient_handler):
-        out.append("gradient_handler (all-reduce after backward: counted as overlapped)")
     if cfg.parallel.tensor.plan is not None:
         out.append("parallel.tensor.plan (the estimate plans its own model)")
     if cfg.parallel.pipeline.tensor_shape is not None:
         out.append("parallel.pipeline.tensor_shape (the estimate sends its own activations)")
     return tuple(out)
+
+
+def _overlap_dp(cfg: Config) -> bool:
+    """False where a data-parallel ``gradient_handler`` all-reduces after the backward."""
+    return not any(h.type in DATA_PARALLEL_HANDLERS for h in cfg.gradient_handler)
 
 
 def amp_of(cfg: Config) -> str | None:
@@ -136,7 +141,8 @@ def base_of(cfg: Config, world: int, **fields: Any) -> Scenario:
         recompute="full" if ac is not None else "none",
         recompute_every=ac.every if ac is not None else 1, attention=_attention(cfg),
         chunk_tokens=cl.chunk_tokens if cl else 0, chunk_recompute=bool(cl and cl.recompute),
-        bucket_mb=cfg.zero.bucket_size_mb if cfg.zero else 25.0, unmodelled=unmodelled(cfg),
+        bucket_mb=cfg.zero.bucket_size_mb if cfg.zero else 25.0, overlap_dp=_overlap_dp(cfg),
+        unmodelled=unmodelled(cfg),
     )  # fmt: skip
     values.update({k: v for k, v in fields.items() if v is not None})
     return Scenario(**values)

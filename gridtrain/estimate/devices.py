@@ -33,6 +33,7 @@ class DeviceSpec:
     alpha_intra: float = 2e-6  # seconds per collective step inside a node
     alpha_inter: float = 8e-6  # seconds per collective step across nodes
     efficiency: float = 0.7  # fraction of peak that large GEMMs reach
+    gemm_half: float = 256  # a GEMM's smallest dimension at which it runs at half that
     pcie: float = 25e9  # host link (ZeRO offload), bytes/s
     cpu_adam: float = 3.8e9  # host AdamW, parameters/s (torch's fused CPU kernel, 16 cores)
     fused_rms_norm: bool = True  # CUDA's fused RMSNorm keeps input + rstd; CPU's composite more
@@ -47,7 +48,7 @@ PRESETS: dict[str, DeviceSpec] = {
     for d in (
         DeviceSpec("h100-80g", 989.4e12, 66.9e12, 80 * GiB, 3.35e12, 450e9, 50e9),
         DeviceSpec("h200-141g", 989.4e12, 66.9e12, 141e9, 4.8e12, 450e9, 50e9),
-        DeviceSpec("a100-80g", 312e12, 19.5e12, 80 * GiB, 2.04e12, 300e9, 25e9, efficiency=0.8),
+        DeviceSpec("a100-80g", 312e12, 19.5e12, 80 * GiB, 2.04e12, 300e9, 25e9, efficiency=0.7),
         DeviceSpec(
             "cpu",
             2e11,

@@ -24,7 +24,6 @@ from gridtrain.estimate.states import MASTERS, OPTIMIZER_STATE, ModelStates
 from gridtrain.estimate.timing import collective_seconds, group_links
 
 RESERVED_GPU = 2 * GiB  # CUDA context, NCCL buffers, allocator slack
-GEMM_HALF = 128  # GEMM dimension at which a matmul runs at half its large-shape speed
 TRAFFIC = 4  # activation bytes moved per saved byte: written, read, gradient written and read
 
 
@@ -125,11 +124,11 @@ def _flops(spec: ModelSpec, stage: StageLayers, sc: Scenario) -> float:
     return (3 * forward + recompute) / sc.tensor
 
 
-def gemm_scale(spec: ModelSpec, geo: Geometry, sc: Scenario) -> float:
-    """How far below its large-shape efficiency a rank's GEMMs run: ``n / (n + 128)`` for the
+def gemm_scale(spec: ModelSpec, geo: Geometry, sc: Scenario, half: float) -> float:
+    """How far below its large-shape efficiency a rank's GEMMs run: ``n / (n + half)`` for the
     smallest dimension ``n`` of a block's local matmuls (rows of the rank's tokens, its slices
-    of the hidden and MLP widths); half speed at 128, 94 % at 2048."""
-    key = (spec, geo, sc.micro_batch)
+    of the hidden and MLP widths); half speed at ``half`` (``DeviceSpec.gemm_half``)."""
+    key = (spec, geo, sc.micro_batch, half)
     if key in _SCALE:
         return _SCALE[key]
     tokens = geo.tokens(sc.micro_batch * spec.seq_len) * geo.gather
@@ -137,7 +136,7 @@ def gemm_scale(spec: ModelSpec, geo: Geometry, sc: Scenario) -> float:
     for width, role in ((spec.hidden, "column"), (spec.hidden, "row"), (spec.ffn_dim, "row")):
         dims += [geo.in_width(width, role), geo.out_width(width, role)]
     n = min(dims)
-    _SCALE[key] = n / (n + GEMM_HALF)
+    _SCALE[key] = n / (n + half)
     return _SCALE[key]
 
 
@@ -151,7 +150,7 @@ def step_bound(spec: ModelSpec, sc: Scenario, device: DeviceSpec, shards: Tensor
     than the results it already holds."""
     geo = Geometry.of(sc.mode, sc.tensor, sc.depth)
     links = group_links(sc, device.gpus_per_node)
-    peak = device.peak_for(sc.amp) * device.efficiency * gemm_scale(spec, geo, sc)
+    peak = device.peak_for(sc.amp) * device.efficiency * gemm_scale(spec, geo, sc, device.gemm_half)
     slot = 0.0
     for st in {(s.embed, s.blocks, s.head): s for s in sc.stages(spec)}.values():
         comm = sum(
@@ -208,7 +207,7 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     if sc.recompute != "none":
         plain = dataclasses.replace(sc, recompute="none")
         touched = stage_activations(spec, geo, plain, layers, shards).per_microbatch
-    compute = _flops(spec, layers, sc) / (peak * gemm_scale(spec, geo, sc))
+    compute = _flops(spec, layers, sc) / (peak * gemm_scale(spec, geo, sc, device.gemm_half))
     compute += traffic * touched / device.hbm_bw
     tensor_s = p2p_s = overlapped = prefetched = after = 0.0
     buckets = 0.0
@@ -230,6 +229,8 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
     # the last bucket cannot overlap: it is reduced once backward has made its gradients
     backward = compute * 2 / 3
     exposed_dp = max(overlapped - backward, overlapped / buckets) if overlapped else 0.0
+    if not sc.overlap_dp:  # a gradient handler: the whole reduction after the backward
+        exposed_dp = overlapped
     exposed_dp += max(0.0, prefetched - compute * sc.micro_batches)
     nb = dtype_bytes(sc.amp)
     opt_bytes = 2 * _stepped_bytes(states)

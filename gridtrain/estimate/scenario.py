@@ -57,6 +57,7 @@ class Scenario:
     chunk_tokens: int = 0  # chunked_loss.chunk_tokens; 0: whole logits
     chunk_recompute: bool = False  # chunked_loss.recompute
     expert_parallel: int = 1  # moe.expert_parallel_size
+    overlap_dp: bool = True  # the data-parallel reduction overlaps backward (not: gradient_handler)
     unmodelled: tuple[str, ...] = ()  # config keys that change memory or time, not modelled
 
     @property
