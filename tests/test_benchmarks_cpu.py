@@ -197,12 +197,15 @@ CASES = {
         check_zero_memory,
     ),
     "zero_memory_throughput": (
-        ["benchmarks/zero_memory.py", "throughput", "--device", "cpu"],
+        ["benchmarks/zero_memory.py", "throughput", "--device", "cpu", "--vocab", "512"]
+        + ["--batch-size", "1", "--seq-len", "16"]
+        + ["--steps", "2", "--warmup", "1", "--rounds", "1", "--passes", "1"],
         check_zero_throughput,
     ),
     "offload_quick": (["benchmarks/offload.py", "--quick"], check_offload),
     "zero_memory_largest": (
-        ["benchmarks/zero_memory.py", "largest", "--device", "cpu", "--sizes", "tiny"],
+        ["benchmarks/zero_memory.py", "largest", "--device", "cpu", "--sizes", "tiny"]
+        + ["--vocab", "512"],
         check_zero_largest,
     ),
     "resnet_throughput": (
