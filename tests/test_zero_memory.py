@@ -2,7 +2,8 @@
 holds at each micro-batch's forward (``engine.memory()``, checked against the ``.grad``
 tensors the optimizer and model expose) are its rows, not the whole gradient, for ZeRO 2
 (accumulation; 1F1B and interleaved pipelines with 8 micro-batches), ZeRO 3 (sharded
-accumulation by default) and Gemini; ``zero.keep_unsharded_grads`` holds the whole
+accumulation by default) and Gemini (accumulation, 1F1B, interleaved: its rows on the host,
+each micro-batch sending them once); ``zero.keep_unsharded_grads`` holds the whole
 gradient instead. Every run trains to the losses and weights of one process."""
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _grad_bytes_exposed(engine) -> int:
 def _train(ctx, batches):
     """Per rank: losses, full weights, share of the optimizer state, the stage's full
     gradient bytes, and per step, at each forward: (device gradient bytes, host gradient
-    bytes, bytes of the exposed ``.grad`` tensors)."""
+    bytes, bytes of the exposed ``.grad`` tensors); Gemini's device-to-host bytes per step."""
     model = _model()
     dense = sum(p.numel() for p in model.parameters())
     engine, *_ = gt.initialize(model, _adamw(model), lm_loss, example_inputs=batches[0][0][:1])
@@ -71,16 +72,20 @@ def _train(ctx, batches):
         seen[-1].append((report.device["gradients"], report.host["gradients"], exposed))
 
     engine.model.register_forward_pre_hook(at_forward)
-    losses = []
+    losses, sent = [], []
+    moved = getattr(engine.zero, "transfer_bytes", lambda: {"d2h": 0})
     for batch in batches:
         seen.append([])
+        before = moved()["d2h"]
         losses.append(engine_step(engine, *data_rows(batch, ctx), ctx))
+        sent.append(moved()["d2h"] - before)
     rows = sum(_local(p).numel() for g in engine.optimizer.param_groups for p in g["params"])
     held = state_share(engine, dense)
-    return losses, gt.full_state_dict(engine.model), held, full, rows * F64, seen
+    return losses, gt.full_state_dict(engine.model), held, full, rows * F64, seen, sent
 
 
 M8 = dict(num_microbatches=8)
+GEMINI = dict(stage=3, offload=True)
 LAYOUTS = {  # name: (world, config)
     "dp2-zero2-accumulate4": (2, dict(zero=2, gradient_accumulation=4)),
     "dp2-pp2-zero2-1f1b": (4, dict(parallel=dict(pipeline=2), zero=2, **M8)),
@@ -88,7 +93,16 @@ LAYOUTS = {  # name: (world, config)
         4,
         dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)), zero=2, **M8),
     ),
-    "dp2-gemini-accumulate4": (2, dict(zero=dict(stage=3, offload=True), gradient_accumulation=4)),
+    "dp2-gemini-accumulate4": (2, dict(zero=GEMINI, gradient_accumulation=4)),
+    "dp2-pp2-gemini-1f1b": (4, dict(parallel=dict(pipeline=2), zero=GEMINI, **M8)),
+    "dp2-pp2-gemini-interleaved": (
+        4,
+        dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)), zero=GEMINI, **M8),
+    ),
+    "dp2-pp2-zero3-interleaved": (
+        4,
+        dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)), zero=3, **M8),
+    ),
     "dp2-zero3-accumulate4": (2, dict(zero=3, gradient_accumulation=4)),
     "dp2-zero3-keep-unsharded-accumulate4": (
         2,
@@ -123,7 +137,8 @@ def test_gradient_bytes_at_each_forward(reference, name):
     world, config = LAYOUTS[name]
     results = run_distributed(_train, world, batches, config=config, timeout=300)
     _check_parity(name, results, ref, world)
-    for rank, (*_, full, rows, seen) in enumerate(results):
+    backwards = 4 if "accumulate4" in name else 8
+    for rank, (*_, full, rows, seen, sent) in enumerate(results):
         for step, forwards in enumerate(seen):
             device = [d for d, _, _ in forwards]
             host = [h for _, h, _ in forwards]
@@ -135,6 +150,10 @@ def test_gradient_bytes_at_each_forward(reference, name):
                 # rows (fp64 here) and two staging segments, from initialize on
                 assert device == [0] * len(device), where
                 assert all(h == host[0] and rows <= h < 2 * rows for h in host), where
+                # each backward sends the rows of the chunks it reached, once: a micro-batch
+                # sends this rank's rows once (interleaved: one pipeline chunk's per backward;
+                # before: every chunk in each of the 16 backwards, twice the bytes)
+                assert sent[step] == backwards * rows, (where, sent)
             elif "keep-unsharded" in name:
                 # the switch: the whole unsharded gradient from the first backward on
                 assert device[1:] == [full] * (len(device) - 1), where

@@ -74,9 +74,11 @@ def mixed_precision(amp: AMP_TYPE | None, root: bool = False) -> MixedPrecisionP
 
 def units(model: nn.Module) -> list[nn.Module]:
     """Modules that get their own ``fully_shard``: those held in a ModuleList or Sequential
-    (the root too: GPT's ``h0..h{L-1}``), not looking inside one chosen already, outermost
-    first. A module sharing a parameter with anything outside it (a tied embedding and
-    head) is left to the unit above, since FSDP2 shards each parameter in one unit."""
+    (the root too: GPT's ``h0..h{L-1}``) and a pipeline stage's layers (its
+    ``chunk_layer_names``), not looking inside one chosen already, outermost first. A
+    module sharing a parameter with anything outside it (a tied embedding and head) is left
+    to the unit above, since FSDP2 shards each parameter in one unit."""
+    layers = {n for chunk in getattr(model, "chunk_layer_names", ()) for n in chunk}
     where: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         where.setdefault(id(p), []).append(name)
@@ -89,7 +91,7 @@ def units(model: nn.Module) -> list[nn.Module]:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
             if (
-                isinstance(module, nn.ModuleList | nn.Sequential)
+                (isinstance(module, nn.ModuleList | nn.Sequential) or path in layers)
                 and any(True for _ in child.parameters())
                 and not tied(child, path)
             ):

@@ -16,7 +16,9 @@ the device holds only compute-dtype parameters, and only where they fit.
   like every ZeRO shard): ``gt.full_state_dict``, both checkpoint formats and the optimizer
   see plain per-rank shards.
 * **Gradients** leave the device chunk by chunk as the backward finishes them (in the
-  backward's order, strictly, so every rank issues the same collectives): reduce-scattered
+  backward's order, strictly, so every rank issues the same collectives; under an
+  interleaved pipeline each backward reaches one pipeline chunk's Gemini chunks, its
+  ``lane``, and sends only those): reduce-scattered
   in fp32 over the group, copied to the chunk's pinned host segment on a side stream and,
   within an accumulation window, summed there in fp32. The device never holds a whole
   gradient; every backward communicates (there is nowhere to keep partial sums).
@@ -48,6 +50,7 @@ from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer
 from gridtrain.parallel.sync.base import GradSync
+from gridtrain.parallel.sync.each_backward import pipeline_chunks
 from gridtrain.parallel.tags import get_dp_mode
 from gridtrain.parallel.zero.fsdp import units
 from gridtrain.parallel.zero.memory import Source, grads, state_tensors
@@ -89,6 +92,7 @@ class OffloadZero(GradSync):
         self.streams = Streams(ctx.device)
         blocks = units(model)
         groups = group_units(model, blocks, ctx)  # [(unit index, params)] in forward order
+        self._lane_of = _lanes(groups, pipeline_chunks(model))
         dtype = compute_dtype(amp, next(iter(model.parameters())).dtype)
         sizes = [sum(p.numel() for _, _, p in params) for _, params in groups]
         resident = place(sizes, dtype, ctx.device, device_param_mb)
@@ -240,18 +244,33 @@ class OffloadZero(GradSync):
         self._last = False
         self._count = {c.index: 0 for c in self.chunks}
         self._order = list(reversed(self.chunks))  # the backward's order
-        self._next = 0
+        self._lanes: dict[int, list[Chunk]] = {}  # pipeline chunk -> its chunks, backward order
+        for c in self._order:
+            self._lanes.setdefault(self._lane_of[c.index], []).append(c)
+        self._next = dict.fromkeys(self._lanes, 0)
+        self._touched: set[int] = {-1}  # lanes this backward reached; -1: several chunks'
         self._seen: dict[int, list[bool]] = {}  # chunk -> slots with a gradient this window
         self._finished = False
 
     def _on_grad(self, param: Tensor) -> None:
         chunk = self._chunk_of[id(param)]
         self._count[chunk.index] += 1
-        while self._next < len(self._order):
-            c = self._order[self._next]
-            if self._count[c.index] < self._trainable[c.index]:
-                break
+        lane = self._lane_of[chunk.index]
+        self._touched.add(lane)
+        self._advance(lane, until_end=False)
+
+    def _advance(self, lane: int, until_end: bool) -> None:
+        """Send the lane's chunks in the backward's order while complete (all: ``until_end``).
+
+        A lane is one pipeline chunk's Gemini chunks (an interleaved stage's backward reaches
+        one); every rank of a group runs the same schedule, so the same lanes, in order."""
+        order = self._lanes.get(lane, [])
+        while self._next[lane] < len(order):
+            c = order[self._next[lane]]
+            if not until_end and self._count[c.index] < self._trainable[c.index]:
+                return
             self._launch(c)
+            self._next[lane] += 1
 
     def _launch(self, chunk: Chunk) -> None:
         segment, had = chunk.reduce_grads()
@@ -264,18 +283,22 @@ class OffloadZero(GradSync):
         chunk.release()
         if chunk.pending and self._last:  # the backward is done with the stale copy
             self._sync_chunk(chunk)
-        self._next += 1
 
     def _end_backward(self) -> None:
         """Queued by the backward's first hook: send what no hook sent (unused parameters),
         free streamed chunks, put the masters back; after the window's last backward the
         gradients are final on the host (a tied pipeline weight's handler sums them next)."""
-        while self._next < len(self._order):
-            self._launch(self._order[self._next])
+        for lane in sorted(self._lanes):
+            if lane in self._touched:
+                self._advance(lane, until_end=True)
         for chunk in self.chunks:
+            if chunk.pending and self._last:  # a lane this backward did not reach
+                self.delayed.wait_chunk(chunk.index)
+                self._sync_chunk(chunk)
             chunk.release()
         self._count = dict.fromkeys(self._count, 0)
-        self._next = 0
+        self._next = dict.fromkeys(self._lanes, 0)
+        self._touched = {-1}
         self._in_backward = False
         self._swap(False)
         if self._last:
@@ -404,6 +427,16 @@ class OffloadZero(GradSync):
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes copied host-to-device and device-to-host since the engine was built."""
         return {"h2d": self.bytes_h2d, "d2h": self.bytes_d2h}
+
+
+def _lanes(groups, chunk_of: dict[int, int]) -> dict[int, int]:
+    """Gemini chunk index -> the pipeline chunk of its parameters (0 without interleaving,
+    -1 for parameters of several)."""
+    out = {}
+    for index, (_, params) in enumerate(groups):
+        found = {chunk_of.get(id(p), 0) for _, _, p in params}
+        out[index] = found.pop() if len(found) == 1 else -1
+    return out
 
 
 def _cast_floats(dtype: torch.dtype):
