@@ -155,6 +155,39 @@ def test_bf16_gemini_computes_in_bf16_and_tracks_the_fp32_run():
         assert all(v.dtype == torch.float32 for v in final.values())  # the fp32 masters
 
 
+def _link(ctx, batches):
+    """Per rank: losses, the bytes moved, the dtypes of the gradients the optimizer stepped
+    with (the host rows)."""
+    model = _model(torch.float32)
+    engine, *_ = gt.initialize(model, _adamw(model), lm_loss, example_inputs=batches[0][0][:1])
+    losses = [engine_step(engine, *data_rows(batch, ctx), ctx) for batch in batches]
+    grads = {str(p.grad.dtype) for g in engine.optimizer.param_groups for p in g["params"]}
+    return losses, engine.zero.transfer_bytes(), grads
+
+
+def test_bf16_gemini_sends_bf16_halving_the_link_and_sums_in_fp32():
+    """A bf16 run sends each backward's gradient rows in bf16 and uploads the masters in bf16:
+    half the bytes of the fp32 run of the same layout (what every bf16 run sent before); the
+    host sums the two micro-steps in fp32 and the run tracks the fp32 one."""
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    base = dict(zero=GEMINI, gradient_accumulation=2)  # every chunk resident (CPU default)
+    bf16 = run_distributed(
+        _link, 2, batches, config=dict(base, fp16=dict(mode="bf16")), timeout=300
+    )
+    fp32 = run_distributed(_link, 2, batches, config=base, timeout=300)
+    for (_, moved, grads), (_, moved32, grads32) in zip(bf16, fp32, strict=True):
+        assert moved["d2h"] * 2 == moved32["d2h"] > 0, (moved, moved32)
+        assert moved["h2d"] * 2 == moved32["h2d"] > 0, (moved, moved32)
+        assert grads == grads32 == {"torch.float32"}  # the host rows the step reads
+    # bf16 keeps 8 mantissa bits: compute rounding moves a loss of ~4.2 by up to ~1e-2;
+    # sending the rows in bf16 rounds each micro-step's mean once more (2^-9 relative) before
+    # the fp32 sum, far below that; a lost micro-step or a stale upload moves the later losses
+    # by the 0.1 that AdamW's steps of lr 1e-2 take off. (Weights are not compared: AdamW
+    # turns a key bias's gradient, zero but for rounding, into full lr-sized steps of either
+    # sign in both runs.)
+    assert _global_losses(bf16) == pytest.approx(_global_losses(fp32), abs=0.02)
+
+
 def _dense_delayed(batches):
     """ZeRO-Offload's delayed update in one process: the first two gradients at the current
     weights, then gradient k at the weights before step k - 1 (the device copy lags a step)."""

@@ -27,6 +27,16 @@ no ZeRO and stage 1 hold the full local gradient; stage 2 and stage 3 hold this 
 ``IN_FLIGHT_BUCKETS`` run at once during a backward); stage 3 with ``keep_unsharded_grads``
 holds the full unsharded gradient (compute dtype) besides its rows; Gemini holds its rows
 in host memory.
+
+Gemini's host link (``gemini_link_bytes``, ``GEMINI_STAGING_BUFFERS``): each backward's
+gradient rows cross it in the compute dtype when the run is bf16 (the compute gradients are
+bf16 already; a group of several ranks reduces in fp32 first) and in the masters' dtype
+otherwise, and are summed into the fp32 rows on the host; the masters go back to the device
+in the compute dtype (cast on the host). ``offload_plan`` turns these into bytes per step
+and host bytes; the runtime takes its dtypes from the same function.
+
+Everything here is plain Python on ints and strings (no torch), so ``gridtrain estimate``
+imports it without torch; names and signatures are kept stable for it.
 """
 
 from __future__ import annotations
@@ -41,6 +51,11 @@ CATEGORIES = (PARAMETERS, MASTERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS)
 IN_FLIGHT_BUCKETS = 2  # stage 2: reduce-scatter buckets running at once within a backward
 
 FULL, ROWS, FULL_AND_ROWS, HOST_ROWS = "full", "rows", "full+rows", "host rows"
+
+# Gemini: pinned host buffers of the largest chunk's row segment (in the link's gradient
+# dtype) that the gradients of a backward land in before the host adds them to the rows; and
+# as many compute-dtype buffers the masters are cast into before each upload
+GEMINI_STAGING_BUFFERS = 2
 
 
 def reduces_each_backward(
@@ -66,3 +81,16 @@ def gradients_between_backwards(
     if reduces_each_backward(stage, offload, keep_unsharded_grads):
         return ROWS
     return FULL_AND_ROWS if stage == 3 else FULL
+
+
+def gemini_link_bytes(compute_bytes: int, master_bytes: int = 4, bf16: bool = False) -> tuple:
+    """Gemini's bytes per element over the host link: ``(gradient, upload)``.
+
+    ``gradient``: one backward's rows sent to the host: ``compute_bytes`` when the run is bf16
+    (``bf16``: ``fp16 = dict(mode="bf16")``), else ``master_bytes`` (fp16 runs too: the fp32
+    mean of a group's loss-scaled gradients may fall outside fp16's range); the host sums them
+    in ``master_bytes``.
+    ``upload``: the masters' rows going back to the device after a step, and a streamed chunk's
+    fetches: the compute dtype, never wider than the masters."""
+    gradient = compute_bytes if bf16 else master_bytes
+    return gradient, min(compute_bytes, master_bytes)

@@ -54,7 +54,14 @@ from gridtrain.parallel.sync.each_backward import pipeline_chunks
 from gridtrain.parallel.tags import get_dp_mode
 from gridtrain.parallel.zero.fsdp import units
 from gridtrain.parallel.zero.memory import Source, grads, state_tensors
-from gridtrain.parallel.zero.memory_rules import GRADIENTS, MASTERS, OPTIMIZER_STATE, PARAMETERS
+from gridtrain.parallel.zero.memory_rules import (
+    GEMINI_STAGING_BUFFERS,
+    GRADIENTS,
+    MASTERS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    gemini_link_bytes,
+)
 from gridtrain.parallel.zero.offload_chunk import Chunk
 from gridtrain.parallel.zero.offload_delayed import DelayedStep
 from gridtrain.parallel.zero.offload_plan import compute_dtype, group_units, place
@@ -64,7 +71,7 @@ from gridtrain.parallel.zero.offload_setup import (
     host_full,
     move_state,
 )
-from gridtrain.parallel.zero.offload_streams import HostGrads, Streams
+from gridtrain.parallel.zero.offload_streams import HostGrads, Streams, Uploads
 
 logger = logging.getLogger("gridtrain")
 
@@ -93,21 +100,14 @@ class OffloadZero(GradSync):
         blocks = units(model)
         groups = group_units(model, blocks, ctx)  # [(unit index, params)] in forward order
         self._lane_of = _lanes(groups, pipeline_chunks(model))
-        dtype = compute_dtype(amp, next(iter(model.parameters())).dtype)
+        compute = compute_dtype(amp, next(iter(model.parameters())).dtype)
         sizes = [sum(p.numel() for _, _, p in params) for _, params in groups]
-        resident = place(sizes, dtype, ctx.device, device_param_mb)
+        resident = place(sizes, compute, ctx.device, device_param_mb)
         self.chunks: list[Chunk] = []
-        rebind_optimizer(optimizer, self._build_chunks(groups, resident, dtype, optimizer))
+        rebind_optimizer(optimizer, self._build_chunks(groups, resident, compute, optimizer))
         fuse_on_cpu(optimizer)
-        half = amp is AMP_TYPE.NAIVE  # naive fp16 runs the whole model in fp16, buffers too
-        for module in model.modules():  # buffers compute on the device; parameters do not move
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    dtype = torch.float16 if half and buf.is_floating_point() else buf.dtype
-                    module._buffers[name] = buf.to(ctx.device, dtype)
-        largest = max((c.segment for c in self.chunks), default=0)
-        master = self.chunks[0].master_dtype if self.chunks else torch.float32
-        self.host = HostGrads(self.streams, largest, master)
+        _buffers_to_device(model, ctx.device, half=amp is AMP_TYPE.NAIVE)
+        self._link(compute, bf16=amp is AMP_TYPE.BF16)
         self.bytes_h2d = self.bytes_d2h = 0  # counted per transfer (benchmarks/offload.py)
         self._init_backward_state()
         self._hooks(model, blocks)
@@ -118,13 +118,28 @@ class OffloadZero(GradSync):
             model.register_state_dict_pre_hook(lambda *_: self.delayed.wait())
         logger.info(
             "zero stage 3 offload (Gemini): %d chunks, %d resident (%.0f MiB of %s), "
-            "%d streamed; masters and optimizer state in host memory",
+            "%d streamed; masters and optimizer state in host memory, gradients sent in %s",
             len(self.chunks),
             sum(c.resident for c in self.chunks),
             sum(c.param_bytes() for c in self.chunks if c.resident) / 2**20,
-            dtype,
+            compute,
             sum(not c.resident for c in self.chunks),
+            self.grad_dtype,
         )
+
+    def _link(self, compute: torch.dtype, bf16: bool) -> None:
+        """The host link's dtypes (``memory_rules.gemini_link_bytes``) and its pinned buffers:
+        gradients land in ``host`` staging, resident masters are cast into ``uploads``."""
+        master = self.chunks[0].master_dtype if self.chunks else torch.float32
+        size = {torch.finfo(t).bits // 8: t for t in (master, compute)}
+        grad_bytes, _ = gemini_link_bytes(size_of(compute), size_of(master), bf16=bf16)
+        self.grad_dtype = size[grad_bytes]
+        largest = max((c.segment for c in self.chunks), default=0)
+        slots = GEMINI_STAGING_BUFFERS
+        self.host = HostGrads(self.streams, largest, self.grad_dtype, slots, master)
+        cast = [c.segment for c in self.chunks if _casts_upload(c)]
+        pin = self.streams.cuda
+        self.uploads = Uploads(max(cast), compute, slots, pin) if cast else None
 
     def _build_chunks(self, groups, resident, dtype, optimizer) -> dict[int, nn.Parameter]:
         """The chunks, each made from its parameters' values, which are then dropped; an
@@ -233,8 +248,8 @@ class OffloadZero(GradSync):
         self._swap(True)  # activation checkpointing recomputes through the modules
         self._unit_pre(unit, forward=False)
 
-    def _fetch(self, chunk: Chunk) -> None:
-        chunk.fetch(self.streams)
+    def _fetch(self, chunk: Chunk, src: Tensor | None = None) -> None:
+        chunk.fetch(self.streams, src)
         self.bytes_h2d += chunk.segment * chunk.h2d_element_size()
 
     # ---- gradients ---------------------------------------------------------------------
@@ -273,7 +288,7 @@ class OffloadZero(GradSync):
             self._next[lane] += 1
 
     def _launch(self, chunk: Chunk) -> None:
-        segment, had = chunk.reduce_grads()
+        segment, had = chunk.reduce_grads(self.grad_dtype)
         seen = self._seen.setdefault(chunk.index, [False] * len(had))
         self._seen[chunk.index] = [a or b for a, b in zip(seen, had, strict=True)]
         if self.delayed is not None:  # the delayed step must be done with the last gradient
@@ -375,7 +390,11 @@ class OffloadZero(GradSync):
 
     def _sync_chunk(self, chunk: Chunk) -> None:
         chunk.home_from_masters()
-        if chunk.resident:
+        if chunk.resident and self.uploads is not None and _casts_upload(chunk):
+            src, slot = self.uploads.cast(chunk.masters)  # the link carries the compute dtype
+            self._fetch(chunk, src)
+            self.uploads.uploaded(slot, chunk.ready)
+        elif chunk.resident:
             self._fetch(chunk)
         chunk.synced_version = chunk.masters._version
         chunk.pending = False
@@ -403,6 +422,7 @@ class OffloadZero(GradSync):
         the device's gradients of a backward."""
         compute = [s.compute for c in self.chunks for s in c.slots]
         homes = [c.home for c in self.chunks if c.home is not None]
+        homes += self.uploads.buffers if self.uploads is not None else []
         return [
             (PARAMETERS, compute, False),
             (PARAMETERS, homes, True),
@@ -427,6 +447,25 @@ class OffloadZero(GradSync):
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes copied host-to-device and device-to-host since the engine was built."""
         return {"h2d": self.bytes_h2d, "d2h": self.bytes_d2h}
+
+
+def size_of(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def _casts_upload(chunk: Chunk) -> bool:
+    """A resident chunk whose device copy is narrower than its masters: cast on the host."""
+    return chunk.home is None and chunk.upload_dtype != chunk.master_dtype
+
+
+def _buffers_to_device(model: nn.Module, device: torch.device, half: bool) -> None:
+    """Buffers compute on the device (naive fp16: in fp16, as the whole model); parameters
+    do not move."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                dtype = torch.float16 if half and buf.is_floating_point() else buf.dtype
+                module._buffers[name] = buf.to(device, dtype)
 
 
 def _lanes(groups, chunk_of: dict[int, int]) -> dict[int, int]:

@@ -124,9 +124,16 @@ class Chunk:
     def param_bytes(self) -> int:
         return self.numel * torch.finfo(self.compute_dtype).bits // 8
 
+    @property
+    def upload_dtype(self) -> torch.dtype:
+        """What a fetch or upload copies from the host: the compute dtype where it is narrower
+        than the masters (``home``, or the masters cast on the host), else the masters'."""
+        narrower = torch.finfo(self.compute_dtype).bits < torch.finfo(self.master_dtype).bits
+        return self.compute_dtype if narrower else self.master_dtype
+
     def h2d_element_size(self) -> int:
         """Bytes per element a fetch or upload copies from the host."""
-        return (self.home if self.home is not None else self.masters).element_size()
+        return torch.finfo(self.upload_dtype).bits // 8
 
     def shape(self) -> ChunkShape:
         return ChunkShape(self.segment, self.numel, self.resident)
@@ -139,15 +146,17 @@ class Chunk:
             self.home.copy_(self.masters)
 
     @torch.no_grad()
-    def fetch(self, streams: Streams) -> None:
-        """Fill the device copy from this rank's host segment (and the group's, all-gathered).
+    def fetch(self, streams: Streams, src: Tensor | None = None) -> None:
+        """Fill the device copy from this rank's host segment (and the group's, all-gathered):
+        ``src``, else ``home`` or the masters.
 
         Everything runs on the host-to-device stream after the compute stream's queued work
         (which may still read the old values); ``ready`` marks the end."""
         if not self.present:
             self.flat.untyped_storage().resize_(self.numel * self.flat.element_size())
             self.present = True
-        src = self.home if self.home is not None else self.masters
+        if src is None:
+            src = self.home if self.home is not None else self.masters
         buf = self.flat.data  # a new version counter: autograd's saved views must not see writes
         with streams.h2d_after_compute():
             seg = src.to(self.device, non_blocking=True)
@@ -179,10 +188,12 @@ class Chunk:
 
     # ---- device to host -------------------------------------------------------------------
     @torch.no_grad()
-    def reduce_grads(self) -> tuple[Tensor, list[bool]]:
-        """This rank's rows of the group's mean gradient, as a device segment in the masters'
-        dtype (compute tensors' gradients dropped); and which slots had a gradient here."""
-        send = torch.zeros(self.n * self.segment, dtype=self.master_dtype, device=self.device)
+    def reduce_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[bool]]:
+        """This rank's rows of the group's mean gradient, as a device segment in ``dtype`` (the
+        link's; compute tensors' gradients dropped); and which slots had a gradient here. A
+        group of several ranks sums in the masters' dtype, then casts its rows."""
+        reduce = self.master_dtype if self.n > 1 else dtype
+        send = torch.zeros(self.n * self.segment, dtype=reduce, device=self.device)
         self.send = send  # held until reduced: engine.memory() counts it at the probe
         self.probe()
         rank_major = send.view(self.n, self.segment)
@@ -202,4 +213,4 @@ class Chunk:
         send.div_(self.n)  # the sum of the quotients is the mean (as the stage 1-2 buckets)
         out = send.new_empty(self.segment)
         reduce_scatter_single(out, send, group=self.group)
-        return out, had
+        return out.to(dtype), had

@@ -8,9 +8,11 @@ Per parameter element on a data group of ``n``: the host keeps ``4/n`` bytes of 
 master, ``4/n`` of gradient, ``8/n`` of Adam moments and, for a streamed chunk whose compute
 dtype is narrower, ``c/n`` of compute-dtype copy (``c``: 2 under amp); the device keeps
 ``c`` bytes where resident. Per optimizer step with ``b`` backwards (micro-steps, pipeline
-micro-batches): every chunk sends ``b`` gradient segments (``4 s`` bytes each, ``s`` its
-row segment, about ``numel / n``); a resident chunk receives its masters once after the
-step (``4 s``); a streamed one is fetched before every forward and backward (``2 b c s``).
+micro-batches): every chunk sends ``b`` gradient segments (``g s`` bytes each, ``s`` its
+row segment, about ``numel / n``; ``g`` = 2 in a bf16 run, else 4:
+``memory_rules.gemini_link_bytes``); a resident chunk receives its masters once after the
+step, cast to the compute dtype on the host (``c s``); a streamed one is fetched before
+every forward and backward (``2 b c s``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from gridtrain.config import AMP_TYPE
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tags import get_dp_mode
+from gridtrain.parallel.zero.memory_rules import GEMINI_STAGING_BUFFERS, gemini_link_bytes
 
 AUTO_FRACTION = 0.55  # device_param_mb=None on CUDA: this share of the memory limit
 
@@ -98,26 +101,38 @@ class ChunkShape:
 
 
 def transfer_per_step(
-    chunks: list[ChunkShape], backwards: int, compute_bytes: int, master_bytes: int = 4
+    chunks: list[ChunkShape],
+    backwards: int,
+    compute_bytes: int,
+    master_bytes: int = 4,
+    bf16: bool = False,
 ) -> dict[str, int]:
-    """Bytes one optimizer step moves over the host link (``h2d``, ``d2h``), per rank."""
-    d2h = sum(backwards * c.segment * master_bytes for c in chunks)
+    """Bytes one optimizer step moves over the host link (``h2d``, ``d2h``), per rank;
+    ``bf16``: the run is bf16 (its gradients cross in bf16)."""
+    grad, upload = gemini_link_bytes(compute_bytes, master_bytes, bf16)
+    d2h = sum(backwards * c.segment * grad for c in chunks)
     h2d = sum(
-        c.segment * master_bytes if c.resident else 2 * backwards * c.segment * compute_bytes
+        c.segment * upload if c.resident else 2 * backwards * c.segment * compute_bytes
         for c in chunks
     )
     return {"h2d": h2d, "d2h": d2h}
 
 
-def host_bytes(chunks: list[ChunkShape], compute_bytes: int, master_bytes: int = 4) -> int:
-    """Host bytes of one rank: masters, gradients, Adam's two moments, streamed copies."""
+def host_bytes(
+    chunks: list[ChunkShape], compute_bytes: int, master_bytes: int = 4, bf16: bool = False
+) -> int:
+    """Host bytes of one rank: masters, gradients, Adam's two moments, streamed copies, and
+    the pinned buffers of the link (gradients landing, masters cast for upload)."""
     total = 0
     for c in chunks:
         total += 4 * c.segment * master_bytes
-        if not c.resident and compute_bytes != master_bytes:
+        if not c.resident and compute_bytes < master_bytes:
             total += c.segment * compute_bytes
+    grad, _ = gemini_link_bytes(compute_bytes, master_bytes, bf16)
     largest = max((c.segment for c in chunks), default=0)
-    return total + 2 * largest * master_bytes  # the staging buffers of accumulation
+    total += GEMINI_STAGING_BUFFERS * largest * grad
+    cast = [c.segment for c in chunks if c.resident and compute_bytes < master_bytes]
+    return total + GEMINI_STAGING_BUFFERS * max(cast, default=0) * compute_bytes
 
 
 def device_param_bytes(chunks: list[ChunkShape], compute_bytes: int) -> int:

@@ -6,10 +6,14 @@ stream first waits for the compute stream's queued work (which may still read a 
 being replaced), and the compute stream waits for a copy's event only where it uses the
 result. On the CPU (gloo CI) the same calls copy at once, so the logic is exercised.
 
-Gradients reach the host once per backward, chunk by chunk. The window's first one is
-copied straight into the chunk's pinned gradient segment; later ones (accumulation,
-pipeline micro-batches) land in a pinned staging buffer and a host thread adds them in,
-in fp32, as the dense model accumulates ``.grad``.
+Gradients reach the host once per backward, chunk by chunk, in the link's dtype
+(``memory_rules.gemini_link_bytes``: bf16 in a bf16 run). Where that is the host rows' own
+dtype, the window's first one is copied straight into the chunk's pinned gradient segment;
+every other one (a bf16 row, a later micro-step or pipeline micro-batch) lands in a pinned
+staging buffer and a host thread copies or adds it in, in fp32, as the dense model
+accumulates ``.grad``. Uploads of masters whose device copy is narrower (``Uploads``) are
+cast on the host into pinned compute-dtype buffers first, so the link carries the compute
+dtype.
 """
 
 from __future__ import annotations
@@ -79,11 +83,15 @@ class Streams:
 
 
 class HostGrads:
-    """Lands each chunk's gradient segment in its pinned host buffer, summing within a window."""
+    """Lands each chunk's gradient segment in its pinned host buffer, summing within a window;
+    ``dtype``: the segments' as they arrive (the link's), the host rows may be wider."""
 
-    def __init__(self, streams: Streams, staging_numel: int, dtype: torch.dtype, slots: int = 2):
+    def __init__(
+        self, streams: Streams, staging_numel: int, dtype: torch.dtype, slots: int, host_dtype
+    ):
         self.streams = streams
         pin = streams.cuda
+        self.direct = dtype == host_dtype  # the window's first copy needs no host pass
         self._staging = [host_buffer(staging_numel, dtype, pin) for _ in range(slots)]
         self._busy: list[Future | None] = [None] * slots
         self._next = 0
@@ -99,8 +107,9 @@ class HostGrads:
     def land(self, index: int, device_segment: Tensor, host_segment: Tensor) -> None:
         """The window's first gradient of chunk ``index`` replaces its host segment's values;
         a later one is added to them."""
-        if index not in self.started:
-            self.started.add(index)
+        first = index not in self.started
+        self.started.add(index)
+        if first and self.direct:
             self._pending.append(self.streams.to_host(device_segment, host_segment))
             return
         slot = self._next
@@ -110,9 +119,9 @@ class HostGrads:
         staging = self._staging[slot][: host_segment.numel()]
         event = self.streams.to_host(device_segment, staging)
         if self._pool is None:
-            host_segment.add_(staging)
+            _add_after(None, host_segment, staging, first)
             return
-        future = self._pool.submit(_add_after, event, host_segment, staging)
+        future = self._pool.submit(_add_after, event, host_segment, staging, first)
         self._busy[slot] = future
         self._pending.append(future)
 
@@ -128,7 +137,40 @@ class HostGrads:
         self.started.clear()
 
 
-def _add_after(event, host_segment: Tensor, staging: Tensor) -> None:
+def _add_after(event, host_segment: Tensor, staging: Tensor, first: bool) -> None:
     if event is not None:
         event.synchronize()
-    host_segment.add_(staging)
+    if first:
+        host_segment.copy_(staging)
+    else:
+        host_segment.add_(staging)
+
+
+class Uploads:
+    """Pinned compute-dtype buffers the masters are cast into before an upload, used in
+    turn: the host casts one chunk while the previous one's copy runs."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, slots: int, pin: bool):
+        self._buffers = [host_buffer(numel, dtype, pin) for _ in range(slots)]
+        self._events: list = [None] * slots
+        self._next = 0
+
+    @property
+    def buffers(self) -> list[Tensor]:
+        return list(self._buffers)
+
+    @torch.no_grad()
+    def cast(self, masters: Tensor) -> tuple[Tensor, int]:
+        """``masters`` cast into the next free buffer: ``(the copy, its slot)``."""
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()  # its last upload has left the buffer
+            self._events[slot] = None
+        out = self._buffers[slot][: masters.numel()]
+        out.copy_(masters)
+        return out, slot
+
+    def uploaded(self, slot: int, event) -> None:
+        """The upload from ``slot`` ends at ``event`` (None: done)."""
+        self._events[slot] = event
