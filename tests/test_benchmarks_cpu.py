@@ -95,6 +95,9 @@ def check_zero_largest(out):
 def check_offload(out):
     for check in ("loss", "weight", "h2d", "d2h"):
         assert _row(out, check)[-1] == "yes", out  # parity, and bytes moved = the formula
+    for check in ("loss", "h2d", "d2h"):  # bf16: near the float64 run, bf16 bytes = formula
+        assert _row(out, "bf16", check)[-1] == "yes", out
+    assert _row(out, "bf16", "d2h")[4] == "(0.50x", out  # half the bytes of an fp32 link
 
 
 def _check_resnet(out, precisions):
