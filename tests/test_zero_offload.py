@@ -227,16 +227,21 @@ def test_delayed_update_is_zero_offloads_one_step_stale_update():
 
 
 def test_estimate_counts_gemini_as_the_runtime_moves_it():
-    """``gridtrain estimate`` (process-free) gives Gemini's bytes by the runtime's formula
-    (``offload_plan``): 16 bytes per parameter on the host, bf16 copies on the device, each
-    backward sending the gradients (4 bytes) and each step bringing the masters back."""
+    """``gridtrain estimate`` (process-free) gives an fp32 Gemini run's host-link bytes by the
+    runtime's formula (``offload_plan.transfer_per_step``): each backward sending the gradient
+    rows, each step bringing the masters back; 16 bytes per parameter on the host besides the
+    link's staging buffers, fp32 copies on the device."""
     from gridtrain import estimate as est
+    from gridtrain.parallel.zero.offload_plan import ChunkShape, transfer_per_step
 
     spec = est.get_model("gpt2-124m")
-    sc = est.Scenario(world=1, micro_batch=2, accumulation=3, amp="bf16", zero=3, offload=True)
+    sc = est.Scenario(world=1, micro_batch=2, accumulation=3, amp=None, zero=3, offload=True)
     states = est.estimate(spec, sc, est.get_device("h200-141g")).worst.states
-    params = states.pcie_h2d / 4
-    assert params == pytest.approx(124e6, rel=0.05)  # GPT-2 small, every parameter resident
-    assert 0 <= states.host - 16 * params < 1e4  # + the 4-byte step counters
-    assert states.pcie_d2h == 3 * states.pcie_h2d  # one gradient send per backward
-    assert states.weights == 2 * params  # bf16 copies of every parameter
+    rows = states.part("rows")
+    assert rows == pytest.approx(124e6, rel=0.05)  # GPT-2 small, one rank holds every row
+    runtime = transfer_per_step([ChunkShape(int(rows), int(rows), True)], 3, 4, 4)
+    assert states.part("pcie_h2d") == runtime["h2d"]
+    assert states.part("pcie_d2h") == runtime["d2h"]  # one gradient send per backward
+    # + two staging buffers of the largest chunk (the 38.6M-row embedding, 4 bytes each)
+    assert 16 * rows < states.host_total < 19 * rows
+    assert states.part("weights") == 4 * rows  # fp32 copies of every parameter
