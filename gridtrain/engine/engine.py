@@ -133,7 +133,16 @@ class Engine:
         return tree_map(lambda t: split_batch(t, self.ctx) if isinstance(t, Tensor) else t, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward on this rank's part of the batch (inputs split per tensor mode, autocast on)."""
+        """Forward on this rank's part of the batch (inputs split per tensor mode, autocast on).
+        Under a pipeline a rank holds one stage, not the model: ``execute_schedule`` then."""
+        if self.ctx.config.pipeline_size > 1:
+            raise RuntimeError(
+                f"engine(...) runs the whole model, but under parallel.pipeline = "
+                f"{self.ctx.config.pipeline_size} this rank holds one stage of it: call "
+                "engine.execute_schedule(data_iter) instead (one batch per call: forward, loss "
+                "and backward of its micro-batches on every stage; then engine.step()), with "
+                "data_iter = iter(train_dataloader) made once per epoch"
+            )
         self._sync_batchnorm()
         args, kwargs = self.split_batch(args), self.split_batch(kwargs)
         with self._forward_context():
