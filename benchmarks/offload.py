@@ -357,6 +357,7 @@ def run_probe(setting: str, size: str, args, accumulation: int) -> dict:
         row = dict(setting=setting, params=params, fail=f"{why}: {''.join(tail)[-160:]}")
     row["size"] = size
     print(f"  {setting} {size}: {row.get('fail') or 'trains'}", file=sys.stderr, flush=True)
+    print("  " + json.dumps(row), file=sys.stderr, flush=True)  # kept if the search is cut short
     return row
 
 
