@@ -3,10 +3,27 @@
 Bandwidths are per GPU and one direction, bytes/s: ``nvlink`` inside a node
 (H100/H200 SXM: NVLink 4, 900 GB/s both ways; A100: NVLink 3, 600 GB/s), and
 ``internode`` the network share of one GPU (one 400 Gb/s NDR NIC per H100/H200,
-one 200 Gb/s HDR NIC per A100 as on Selene). ``alpha`` is the per-step latency
-of a collective on that link. ``efficiency`` is the fraction of peak a large
-GEMM reaches (cuBLAS on big bf16 shapes); ``peak_fp32`` is what fp32 matmuls
-run at (TF32 off, torch's default).
+one 200 Gb/s HDR NIC per A100 as on Selene). ``peak_fp32`` is what fp32 matmuls run at
+(TF32 off, torch's default).
+
+The efficiency model's constants and where each comes from:
+
+* ``peak_flops``, ``peak_fp32``, ``hbm_bw``, ``memory``, ``nvlink``, ``internode``: the
+  vendors' data sheets (H100/H200 SXM: 989.4 dense bf16 TFLOP/s, 66.9 fp32; A100 SXM 80 GB:
+  312, 19.5).
+* ``efficiency`` (the fraction of peak a large GEMM reaches) and ``gemm_half`` (a GEMM runs at
+  ``n / (n + gemm_half)`` of that, ``n`` its smallest local dimension): fitted, A100 to
+  Narayanan et al. 2021 Table 1 (ten rows, hidden 2304 to 25600: every row within 0.92-1.09
+  of the paper's throughput), H100/H200 to GPT-2 124M and 350M measured on one H200
+  (``benchmarks/estimate_vs_published.py --measure``, ``benchmarks/RESULTS.md``).
+  ``estimate.calibration`` lists those runs; ``--search`` prints the nearest beside each pick.
+* ``alpha_intra`` / ``alpha_inter`` (a collective step's latency): NCCL's measured small-message
+  latencies on NVLink and InfiniBand (nccl-tests, a few microseconds), not fitted here.
+* ``pcie`` (ZeRO offload's host link): PCIe 4 x16's practical 25 GB/s; ``cpu_adam``: torch's
+  fused CPU AdamW on 16 cores (``benchmarks/offload.py``).
+* In ``estimator.py``: ``TRAFFIC`` (each saved activation byte written and read once, its
+  gradient written and read once, over ``hbm_bw``) and ``RESERVED_GPU`` (2 GiB: CUDA context,
+  NCCL buffers, allocator slack) are assumptions the calibration absorbs.
 """
 
 from __future__ import annotations
