@@ -108,6 +108,12 @@ def _refuse_unplanned(model: nn.Module, ep: int) -> None:
 
 
 def _first_moe_module(model: nn.Module) -> tuple[str, nn.Module]:
+    """The first block holding experts: a module with a child whose class says ``Expert``
+    (JetMoE's ``JetMoeMoE`` holds ``JetMoeParallelExperts``), else the first module whose
+    class says ``MoE`` or ``Expert``; the model itself when none does."""
+    for name, module in model.named_modules():
+        if any("expert" in type(c).__name__.lower() for c in module.children()):
+            return name, module
     for name, module in model.named_modules():
         lowered = type(module).__name__.lower()
         if name and ("moe" in lowered or "expert" in lowered):
