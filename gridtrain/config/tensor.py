@@ -38,6 +38,9 @@ STYLES = {
     "heads": "nn.MultiheadAttention: the packed in_proj cut into each rank's q, k and v heads, "
     "out_proj row-parallel (sequence: ring attention over the split positions)",
     "norm": "LayerNorm / RMSNorm over the last dim, in the mode's layout",
+    "replicated_with_grad_allreduce": "a norm on activations split over the tensor group (a "
+    "per-head q_norm after a column-parallel q_proj): its weight whole on every rank, its "
+    "gradient summed over the group",
     "auto": "the mode's own layer (2d/2.5d/3d: every Linear is a SUMMA / cube Linear)",
     "replicate": "leave the module as it is (every rank holds it whole)",
 }

@@ -26,6 +26,8 @@ HF's internal shift (``labels=`` passed to the model) would cross shards.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -41,6 +43,7 @@ __all__ = [
     "PretrainedFileError",
     "PretrainedMismatchError",
     "after_apply",
+    "local_view",
     "load_pretrained",
     "parallelize_experts",
     "prepare_model",
@@ -81,16 +84,36 @@ def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:
     'sequence'."""
     from gridtrain.hf import families
     from gridtrain.hf.attention import install
+
+    _localise(model, plan, ctx, [])
+    families.restore(model)
+    if ctx.tensor_mode == "sequence":
+        install(model, ctx)
+
+
+@contextlib.contextmanager
+def local_view(model: nn.Module, plan, ctx: ParallelContext) -> Iterator[None]:
+    """The model's own code as it will run once ``plan`` is applied (this rank's head counts),
+    for the planner's forward on this rank's shapes; undone on exit."""
+    from gridtrain.hf.patches import restore
+
+    undo: list = []
+    try:
+        _localise(model, plan, ctx, undo)
+        yield
+    finally:
+        restore(undo)
+
+
+def _localise(model: nn.Module, plan, ctx: ParallelContext, undo: list) -> None:
+    """GPT-2's and Phi-3's attention take their head counts from attributes: this rank's."""
     from gridtrain.hf.patches import localise_gpt2_heads, localise_phi3_heads
     from gridtrain.hf.plans import head_split
 
     model_type = getattr(model.config, "model_type", None)
     split, _ = head_split(ctx)
     if model_type == "gpt2":
-        localise_gpt2_heads(model, split)
+        localise_gpt2_heads(model, split, undo)
     elif model_type == "phi3":
         packed = {n for n, e in plan.entries.items() if e.style == "packed_colwise"}
-        localise_phi3_heads(model, packed, split)
-    families.restore(model)
-    if ctx.tensor_mode == "sequence":
-        install(model, ctx)
+        localise_phi3_heads(model, packed, split, undo)

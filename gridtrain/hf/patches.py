@@ -22,15 +22,29 @@ from torch import nn
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind
 
+Undo = list[tuple[object, str, object]]  # (object, attribute, its value before), to restore
 
-def localise_gpt2_heads(model: nn.Module, split: int) -> None:
+
+def set_undoable(undo: Undo, obj: object, attr: str, value: object) -> None:
+    """``obj.attr = value``, remembering the old value in ``undo`` (see ``restore``)."""
+    undo.append((obj, attr, getattr(obj, attr)))
+    setattr(obj, attr, value)
+
+
+def restore(undo: Undo) -> None:
+    """Put back what ``set_undoable`` changed, last change first."""
+    for obj, attr, old in reversed(undo):
+        setattr(obj, attr, old)
+
+
+def localise_gpt2_heads(model: nn.Module, split: int, undo: Undo) -> None:
     """Make every GPT-2 attention's ``split_size`` / ``num_heads`` this rank's."""
     if split == 1:
         return
     for module in model.modules():
         if hasattr(module, "c_attn") and hasattr(module, "split_size"):
-            module.split_size = module.embed_dim // split
-            module.num_heads = module.num_heads // split
+            set_undoable(undo, module, "split_size", module.embed_dim // split)
+            set_undoable(undo, module, "num_heads", module.num_heads // split)
 
 
 class _LocalHeads:
@@ -44,7 +58,7 @@ class _LocalHeads:
         return getattr(self._config, name)
 
 
-def localise_phi3_heads(model: nn.Module, packed: set[str], split: int) -> None:
+def localise_phi3_heads(model: nn.Module, packed: set[str], split: int, undo: Undo) -> None:
     """Phi-3's attention cuts ``qkv_proj``'s output at ``config.num_attention_heads *
     head_dim`` (the dense width): where ``qkv_proj`` is split as packed blocks (``packed``
     holds those paths), its attention gets this rank's head counts."""
@@ -53,8 +67,9 @@ def localise_phi3_heads(model: nn.Module, packed: set[str], split: int) -> None:
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if f"{prefix}qkv_proj" in packed and hasattr(module, "num_key_value_heads"):
-            module.num_key_value_heads //= split
-            module.config = _LocalHeads(module.config, module.config.num_attention_heads // split)
+            set_undoable(undo, module, "num_key_value_heads", module.num_key_value_heads // split)
+            local = _LocalHeads(module.config, module.config.num_attention_heads // split)
+            set_undoable(undo, module, "config", local)
 
 
 def give_reset_parameters(model: nn.Module) -> None:

@@ -5,14 +5,20 @@
   ``packed_colwise`` with 3 blocks in every head-splitting mode, so each rank keeps
   whole heads of q, k and v; under 1d ``c_proj`` is row-parallel, the MLP a
   column/row pair, and ``lm_head`` (tied to ``wte``) gathers its logits.
-* **Llama family** (Llama, Qwen2, Mistral, Gemma, ...) bring their own ``_tp_plan``
-  (HF pattern syntax, already prefixed by ``transformers``); gridtrain uses it, moving
-  a vocabulary split that does not divide to the embedding dimension.
+* **Families with a ``_tp_plan``** (Llama, Qwen, Mistral, Gemma, GPT-NeoX, OLMo, ...): gridtrain
+  uses it (HF pattern syntax, already prefixed by ``transformers``), HF's style names read as
+  gridtrain's (``hf_styles``: ``colwise_rep`` is ``colwise_gather_output``...; Qwen3's
+  ``replicated_with_grad_allreduce`` per-head norms are a gridtrain style), a vocabulary split
+  that does not divide moved to the embedding dimension. ``parallel.tensor.plan`` overrides
+  it module by module; a style gridtrain does not implement is refused only where it would
+  apply.
 * **Phi-3** brings one that gathers its fused ``qkv_proj`` / ``gate_up_proj`` outputs;
   gridtrain splits them as packed blocks instead (``phi3_plan``).
-* **Any other model** under a mode that splits heads must get its styles from
-  ``parallel.tensor.plan``: tracing cannot see how a fused projection packs its heads,
-  so gridtrain refuses to guess and names the Linear layers that need a style.
+* **Any other model** (OPT, BioGPT, Bloom, MPT, ...) gets the plan traced from its data flow,
+  as a plain PyTorch model does, in every mode: the trace sees how the model cuts each
+  projection's output (``parallel/tensor/cuts.py``), splits fused ``[q | k | v]`` or
+  ``[gate | up]`` outputs as packed blocks, and refuses by name a fused projection it cannot
+  follow.
 
 Heads are checked before anything is built: query heads and key/value heads must
 divide by the number of ways the mode splits them (the mode spec's ``head_split``: 1d the
@@ -28,10 +34,18 @@ from torch import nn
 
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.tensor.plan import LINEAR, PlanError, pattern_matches, tracked_modules
+from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
 from gridtrain.parallel.tensor.registry import spec_of
 
 GRID_MODES = ("2d", "2.5d", "3d")
+# Hugging Face tp_plan styles that gridtrain spells another way (every other name is read as
+# gridtrain's own: gridtrain.config.STYLES holds HF's vocabulary)
+HF_ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+
+
+def hf_styles(plan: dict[str, str]) -> dict[str, str]:
+    """A model's ``_tp_plan`` in gridtrain's style names (``HF_ALIASES``)."""
+    return {pattern: HF_ALIASES.get(style, style) for pattern, style in plan.items()}
 
 
 def head_split(ctx: ParallelContext) -> tuple[int, str]:
@@ -89,9 +103,8 @@ def tensor_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
         return phi3_plan(model, ctx)
     own = getattr(model, "_tp_plan", None) or getattr(model, "gt_tp_plan", None)
     if own:
-        return fit_vocab(model, dict(own), ctx)
-    _refuse_unplanned(model, ctx)
-    return {}
+        return fit_vocab(model, hf_styles(own), ctx)
+    return {}  # traced, as any model: fused projections it cannot follow are refused there
 
 
 def gpt2_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
@@ -128,7 +141,7 @@ def phi3_plan(model: nn.Module, ctx: ParallelContext) -> dict[str, str]:
     and v and its part of gate and up. The q/k/v blocks are equal only without grouped
     key/value heads; with them ``qkv_proj`` keeps Phi-3's own gathered split."""
     cfg, p = model.config, base_prefix(model)
-    plan = fit_vocab(model, dict(model._tp_plan), ctx)
+    plan = fit_vocab(model, hf_styles(model._tp_plan), ctx)
     plan[f"{p}layers.*.mlp.gate_up_proj"] = "packed_colwise"
     plan[f"{p}layers.*.mlp.down_proj"] = "rowwise"
     if cfg.num_key_value_heads == cfg.num_attention_heads:
@@ -183,21 +196,6 @@ def _vocab_rows(module: nn.Module, style: str) -> int | None:
     if style == "colwise_gather_output" and isinstance(module, nn.Linear):
         return module.out_features
     return None
-
-
-def _refuse_unplanned(model: nn.Module, ctx: ParallelContext) -> None:
-    given = getattr(ctx.config.parallel.tensor, "plan", None) or {}
-    linears = [n for n, kind in tracked_modules(model).items() if kind == LINEAR]
-    missing = [n for n in linears if not any(pattern_matches(p, n) for p in given)]
-    if missing:
-        model_type = getattr(getattr(model, "config", None), "model_type", "?")
-        raise PlanError(
-            f"{type(model).__name__} (model_type {model_type!r}) has no tensor plan (no "
-            f"_tp_plan, and gridtrain has none for it): tensor mode {ctx.tensor_mode!r} splits "
-            f"attention heads and tracing cannot tell how fused projections pack them; give "
-            f"a style in parallel.tensor.plan for each of these {len(missing)} modules: "
-            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}"
-        )
 
 
 def trace_example(example: Any) -> Any:

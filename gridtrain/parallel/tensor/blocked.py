@@ -16,6 +16,9 @@ from torch import nn
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.coverage import better_layout
 from gridtrain.parallel.tensor.dropout import dropout_factory
+from gridtrain.parallel.tensor.flow_rules import check_columns, column_style
+from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
+from gridtrain.parallel.tensor.grad_summed import GradSummed
 from gridtrain.parallel.tensor.plan import (
     ATTENTION,
     DROPOUT,
@@ -60,6 +63,7 @@ def layer_table(*modules: ModuleType) -> LayerTable:
     table[(EMBEDDING, "embedding_colwise")] = (cls("Embedding"), {})
     table[(EMBEDDING, "colwise")] = (cls("Embedding"), {})
     table[(NORM, "norm")] = (cls("Norm"), {})
+    table[(NORM, GRAD_SUMMED)] = (GradSummed, {})  # a per-head norm: its input's last dim whole
     table[(PATCH, "colwise")] = (cls("PatchEmbedding"), {})
     table[(DROPOUT, "replicate")] = (dropout_factory(ParallelMode.TENSOR), {})
     table[(ATTENTION, "heads")] = (cls("MultiheadAttention"), {})
@@ -68,20 +72,36 @@ def layer_table(*modules: ModuleType) -> LayerTable:
 
 def infer_styles(kinds, given, flow: Flow | None, modules=None, n: int = 0):
     """Every layer's style and origin: given styles a blocked layer can take, the mode's
-    Linear for every other Linear, its classifier for a model output, defaults elsewhere."""
+    Linear for every other Linear (packed where the model cuts its output into equal
+    blocks), its classifier for a model output, defaults elsewhere. A model plan's gathered
+    Linear that is no model output (OLMo2's q/k/v under 1d) is the mode's Linear here: every
+    activation is blocked, and what reads it (a norm over q) expects it so."""
     styles, origin = {}, {}
     heads = flow.output_sources if flow else set()
     for name, kind in kinds.items():
-        if name in given and (kind != LINEAR or given[name][0] in KEPT_GIVEN):
+        if name in given and (kind != LINEAR or _kept(given[name], name in heads)):
             styles[name], origin[name] = given[name]
         elif kind == LINEAR:
             styles[name] = "gather_output" if name in heads else "auto"
             origin[name] = "traced: a model output" if name in heads else "every Linear"
+            if name in given:
+                origin[name] = f"{given[name][1]} {given[name][0]}, no model output: the grid's"
+            if name not in heads:
+                styles[name] = column_style(name, flow, modules, "auto") or "auto"
         elif kind == OPAQUE:
             raise PlanError(f"'{name}' ({kind}) cannot run on 2d/2.5d/3d blocked activations")
         else:
             styles[name], origin[name] = _DEFAULTS[kind], "default"
+    check_columns(styles, kinds, flow, modules, _INNER)
     return styles, origin
+
+
+def _kept(given: tuple[str, str], head: bool) -> bool:
+    """Whether a given Linear style stays (see ``infer_styles``)."""
+    style, origin = given
+    if style in GATHERED and origin == "model plan" and not head:
+        return False
+    return style in KEPT_GIVEN
 
 
 def needs_flow(kinds: dict, given: dict) -> bool:

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from gridtrain.config import STYLES
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import ShardedModule, describe_spec, linear_dims
 from gridtrain.parallel.tensor.coverage import count_sharded
 from gridtrain.parallel.tensor.entry_input import infer_example
+from gridtrain.parallel.tensor.flow_rules import head_norms, packed_blocks
 from gridtrain.parallel.tensor.local_shapes import check_local_shapes
 from gridtrain.parallel.tensor.norm import norm_offset
 from gridtrain.parallel.tensor.plan import (
@@ -83,6 +86,7 @@ def build_plan(
     modules = dict(model.named_modules())
     given = _given_styles(model, ctx, kinds, modules, own_plan)
     flow, example = _trace(model, spec, kinds, given, example)
+    given.update(head_norms(kinds, given, flow, modules))
     styles, origin = spec.infer_styles(kinds, given, flow, modules, n)
     _add_entries(plan, spec, kinds, styles, origin, flow, modules)
     _dry_run(plan, modules, ctx, spec)
@@ -96,7 +100,7 @@ def build_plan(
     if spec.check is not None:
         spec.check(plan, model)
     count_sharded(plan, model)
-    if adapter is None:  # an adapter checks its models' heads and attention itself
+    with adapter.local_view(model, plan, ctx) if adapter is not None else nullcontext():
         check_local_shapes(model, example, plan, flow, ctx)
     return plan
 
@@ -139,9 +143,17 @@ def _given_styles(model, ctx, kinds, modules, own_plan) -> dict[str, tuple[str, 
         hint = getattr(modules[name], HINT_ATTR, None)
         if hint is not None and name not in given:
             given[name] = (hint, "hint")
-    own = match_patterns(own_plan, names, f"{type(model).__name__}._tp_plan", False)
-    for name, style in own.items():
-        given.setdefault(name, (style, "model plan"))
+    source = f"{type(model).__name__}._tp_plan"
+    own = match_patterns(own_plan, names, source, strict=False, known=False)
+    for name, style in own.items():  # entry by entry: the config's entries win
+        if name in given:
+            continue
+        if style not in STYLES:
+            raise PlanError(
+                f"{source}: '{name}' has style '{style}', which gridtrain does not implement; "
+                f"give '{name}' a style in parallel.tensor.plan (allowed: {', '.join(STYLES)})"
+            )
+        given[name] = (style, "model plan")
     _check_kinds(given, kinds)
     return given
 
@@ -153,7 +165,7 @@ def _add_entries(plan: Plan, spec: TensorMode, kinds, styles, origin, flow, modu
         options: dict[str, Any] = {}
         style = styles[name]
         if style == "packed_colwise":
-            options["packed"] = _packed_blocks(name, modules[name])
+            options["packed"] = _packed_blocks(name, modules[name], flow)
         if kind == NORM and spec.layer_for(name, kind, style, {})[0] is not None:
             options.update(_norm_options(name, modules[name]))
         options.update(extra.get(name, {}))
@@ -193,8 +205,10 @@ def _norm_options(name: str, module: nn.Module) -> dict[str, Any]:
     return {"offset": offset} if offset else {}
 
 
-def _packed_blocks(name: str, module: nn.Module) -> int:
-    hinted = getattr(module, "gt_packed", None)
+def _packed_blocks(name: str, module: nn.Module, flow: Flow | None) -> int:
+    """The packed blocks of ``name``: its ``gt_packed`` hint, else the equal blocks the model
+    cuts its output into (the trace), else out_features / in_features."""
+    hinted = getattr(module, "gt_packed", None) or packed_blocks(name, flow, {name: module})
     if hinted:
         return int(hinted)
     in_f, out_f, _ = linear_dims(module)
@@ -261,6 +275,16 @@ def _tie_error(plan, first, first_p, name, pname, want) -> str:
     )
 
 
+def _follow_aliases(model: nn.Module, new_of: dict, replaced: dict) -> None:
+    """Every other module attribute that held a replaced parameter (BERT's
+    ``cls.predictions.bias``, tied by HF to the decoder's bias) now holds its replacement, so
+    the model, its state dict and its checkpoints see one tensor, as in the dense model."""
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and replaced.get(id(p)) is p:
+                module._parameters[pname] = new_of[id(p)]
+
+
 def apply_plan(
     model: nn.Module, plan: Plan, ctx: ParallelContext, adapter: ModelAdapter | None = None
 ) -> dict[int, nn.Parameter]:
@@ -269,6 +293,7 @@ def apply_plan(
     ``adapter``: the model's library adapter, as given to ``build_plan``."""
     spec = mode_spec(ctx.tensor_mode)
     new_of: dict[int, nn.Parameter] = {}
+    replaced: dict[int, nn.Parameter] = {}  # the old parameters, alive while ids are compared
     built: list[ShardedModule] = []
     for name, entry in plan.entries.items():
         factory, options = spec.layer_for(name, entry.kind, entry.style, entry.options)
@@ -281,10 +306,11 @@ def apply_plan(
             if id(p) in new_of:
                 layer.tie(pname, new_of[id(p)])
             elif _param(layer, pname) is not None:
-                new_of[id(p)] = _param(layer, pname)
+                new_of[id(p)], replaced[id(p)] = _param(layer, pname), p
         model.set_submodule(name, layer)
         if isinstance(layer, ShardedModule):
             built.append(layer)
+    _follow_aliases(model, new_of, replaced)
     for layer in built:
         layer.release_dense()
     if adapter is not None:  # runtime fixes the model's own code needs (local head counts...)

@@ -15,6 +15,7 @@ the tensor mode's spec (``spec.py``; 1d: ``mode_1d/styles.py``, 2d/2.5d/3d:
 from __future__ import annotations
 
 import difflib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,7 +53,7 @@ KIND_STYLES = {
         "replicate",
     ),
     EMBEDDING: ("embedding_rowwise", "embedding_colwise", "colwise", "replicate"),
-    NORM: ("norm", "replicate"),
+    NORM: ("norm", "replicated_with_grad_allreduce", "replicate"),
     DROPOUT: ("replicate",),
     PATCH: ("colwise", "replicate"),
     OPAQUE: ("replicate",),
@@ -119,12 +120,14 @@ def pattern_matches(pattern: str, name: str) -> bool:
 
 
 def match_patterns(
-    patterns: dict[str, str], names: list[str], source: str, strict: bool
+    patterns: dict[str, str], names: list[str], source: str, strict: bool, known: bool = True
 ) -> dict[str, str]:
-    """Module -> style for ``patterns``; with ``strict`` a pattern that matches nothing is an error."""
+    """Module -> style for ``patterns``; with ``strict`` a pattern that matches nothing is an
+    error; with ``known`` a style gridtrain does not implement is one (else the caller
+    decides, per module)."""
     out: dict[str, str] = {}
     for pattern, style in patterns.items():
-        if style not in STYLES:
+        if known and style not in STYLES:
             raise PlanError(
                 f"{source}: pattern '{pattern}' names style '{style}'; allowed: {', '.join(STYLES)}"
             )
@@ -230,6 +233,10 @@ class ModelAdapter(Protocol):
 
     def after_apply(self, model: nn.Module, plan: Plan, ctx) -> None:
         """Fixes the model's own code needs once its layers are sharded (local head counts)."""
+
+    def local_view(self, model: nn.Module, plan: Plan, ctx) -> AbstractContextManager:
+        """The same fixes, undone on exit: the planner's forward on this rank's shapes runs
+        the model's code as it will run once sharded."""
 
     def pipeline_layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The model's layers in execution order, for a pipeline to cut between."""

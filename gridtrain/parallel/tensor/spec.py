@@ -77,7 +77,8 @@ class TensorMode:
     ) -> tuple[Factory | None, dict[str, Any]]:
         """(factory, options) for ``name``, a ``kind`` layer planned ``style``; (None, {})
         where the dense module is kept as it is."""
-        if kind in self.kept or (style == "replicate" and kind != DROPOUT):
+        kept = kind in self.kept and (kind, style) not in self.layers
+        if kept or (style == "replicate" and kind != DROPOUT):
             return None, {}
         entry = self.layers.get((kind, style))
         if entry is None:

@@ -11,8 +11,10 @@ compute) under a ``TorchFunctionMode`` that tags every tensor with its
 untracked operations (attention, activations, residual adds, reshapes).
 A tracked layer's output starts a fresh source set: ``{itself}`` for a Linear,
 empty for an embedding, its input's sources for a norm or dropout. The same run
-records the shapes reaching ``scaled_dot_product_attention`` (``AttentionRecorder``),
-which the sharded shape check (``local_shapes.py``) compares against.
+records the shapes reaching ``scaled_dot_product_attention`` and the Linears whose outputs
+feed its query, key and value (``AttentionRecorder``), which the sharded shape check
+(``local_shapes.py``) compares against and the planner reads fused projections off, and how
+the model cuts each Linear's output (``cuts.py``: packed projections).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from gridtrain.parallel.tensor.cuts import Cut, CutTracker
+
 # how a tracked layer's output relates to its input's sources; OPAQUE layers (already
 # parallel: collectives, data-dependent routing) are not run on meta: their output is
 # taken to have their first input's shape
@@ -36,12 +40,14 @@ FRESH, PASS, SELF, OPAQUE = "fresh", "pass", "self", "opaque"
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """One ``scaled_dot_product_attention`` call: the innermost module that made it and the
-    shapes of its query and key (``[..., heads, seq, head_dim]``)."""
+    """One ``scaled_dot_product_attention`` call: the innermost module that made it, the
+    shapes of its query and key (``[..., heads, seq, head_dim]``) and the tracked Linears
+    whose outputs reached its query, key and value (traced runs only)."""
 
     module: str
     q: tuple[int, ...]
     k: tuple[int, ...]
+    sources: tuple[frozenset[str], ...] = ()
 
 
 @dataclass
@@ -52,6 +58,19 @@ class Flow:
     sources: dict[str, set[str]] = field(default_factory=dict)  # layer -> SELF-layers it reads
     output_sources: set[str] = field(default_factory=set)  # SELF-layers reaching the output
     attention: list[AttentionCall] = field(default_factory=list)  # SDPA calls, in call order
+    cuts: dict[str, Cut] = field(default_factory=dict)  # Linear -> how its output is cut
+
+    def fused(self) -> dict[str, str]:
+        """Linears whose one output feeds two or more of an attention's query, key and
+        value -> the attention module (fused projections)."""
+        out: dict[str, str] = {}
+        for call in self.attention:
+            seen: dict[str, int] = {}
+            for srcs in call.sources:
+                for s in srcs:
+                    seen[s] = seen.get(s, 0) + 1
+            out.update({s: call.module for s, k in seen.items() if k > 1 and s not in out})
+        return out
 
     def consumers(self, name: str) -> list[str]:
         """Tracked layers that read ``name``'s output, in call order."""
@@ -107,7 +126,7 @@ def trace_flow(
     ``tracked`` maps module path -> FRESH | PASS | SELF (how its output's sources are set).
     Raises RuntimeError (with the model's error) when the forward cannot run on meta.
     """
-    flow, tagger = Flow(), _Tagger()
+    flow, tagger, cuts = Flow(), _Tagger(), CutTracker()
     modules = dict(model.named_modules())
     hooks = []
 
@@ -127,6 +146,8 @@ def trace_flow(
             for leaf in tree_flatten(output)[0]:
                 if isinstance(leaf, Tensor):
                     tagger.set(leaf, sources)
+            if how == SELF:
+                cuts.watch(name, output)
 
         return hook
 
@@ -135,9 +156,9 @@ def trace_flow(
         hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(module.register_forward_hook(post(name, how), with_kwargs=True))
     opaque = {name: first_input_shape for name, how in tracked.items() if how == OPAQUE}
-    recorder = AttentionRecorder(model)
+    recorder = AttentionRecorder(model, tagger)
     try:
-        out = run_on_meta(model, example, opaque, (tagger, recorder))
+        out = run_on_meta(model, example, opaque, (tagger, recorder, cuts))
         flow.output_sources = set(tagger.sources_of(out))
     except Exception as err:  # noqa: BLE001 - the model's own error, re-raised with advice
         raise RuntimeError(
@@ -148,7 +169,7 @@ def trace_flow(
     finally:
         for h in hooks:
             h.remove()
-    flow.attention = recorder.calls
+    flow.attention, flow.cuts = recorder.calls, cuts.cuts
     return flow
 
 
@@ -180,11 +201,13 @@ def run_on_meta(
 
 class AttentionRecorder(TorchFunctionMode):
     """Records every ``scaled_dot_product_attention`` call (``AttentionCall``) made inside
-    ``model``, with the innermost module whose forward was running."""
+    ``model``, with the innermost module whose forward was running; with a ``tagger`` (the
+    trace's), also the sources of its query, key and value."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, tagger: _Tagger | None = None):
         super().__init__()
         self.model, self.calls, self._stack = model, [], [""]
+        self.tagger = tagger
         self._hooks: list = []
 
     def __enter__(self):
@@ -214,8 +237,11 @@ class AttentionRecorder(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             q = kwargs.get("query", args[0] if args else None)
             k = kwargs.get("key", args[1] if len(args) > 1 else None)
+            v = kwargs.get("value", args[2] if len(args) > 2 else None)
             if isinstance(q, Tensor) and isinstance(k, Tensor):
-                self.calls.append(AttentionCall(self._stack[-1], tuple(q.shape), tuple(k.shape)))
+                srcs = tuple(self.tagger.get(t) for t in (q, k, v)) if self.tagger else ()
+                call = AttentionCall(self._stack[-1], tuple(q.shape), tuple(k.shape), srcs)
+                self.calls.append(call)
         return func(*args, **kwargs)
 
 

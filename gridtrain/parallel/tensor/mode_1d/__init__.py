@@ -4,6 +4,8 @@
 (``styles.py``), batch split and loss (``loss.py``)."""
 
 from gridtrain.parallel.tensor.dropout import dropout_factory
+from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
+from gridtrain.parallel.tensor.grad_summed import GradSummed
 from gridtrain.parallel.tensor.mode_1d import styles
 from gridtrain.parallel.tensor.mode_1d.embedding import (
     Embedding1D,
@@ -38,6 +40,7 @@ LAYERS = {
     (PATCH, "colwise"): (PatchEmbedding1D, {}),
     (DROPOUT, "replicate"): (dropout_factory(PM1D, PM1D), {}),
     (ATTENTION, "heads"): (MultiheadAttention1D, {}),
+    (NORM, GRAD_SUMMED): (GradSummed, {"mode": PM1D}),
 }
 
 
@@ -53,7 +56,7 @@ MODE = TensorMode(
     accuracy,
     groups=one_group(PM1D),
     layers=LAYERS,
-    kept=frozenset({NORM}),  # activations around norms are replicated
+    kept=frozenset({NORM}),  # activations around norms are replicated (but a per-head norm's)
     infer_styles=styles.styles_1d,
     needs_flow=styles.needs_flow,
     entry_options=styles.dropout_options,

@@ -5,7 +5,10 @@ activations is column-parallel when every Linear reading its output can be row-p
 else it gathers its output (an LM head, a projection into a norm); embeddings split the
 vocabulary when it divides, else the embedding dim. Styles given by the config, hints or
 the model's plan are kept, and checked against the same flow: a column layer must be read
-by row layers, a row layer must read column layers.
+by row layers, a row layer must read column layers. A norm given
+``replicated_with_grad_allreduce`` (a per-head norm) may read column-parallel outputs; where
+its input turns out whole, it is kept ``replicate`` (summing whole gradients would multiply
+them).
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from __future__ import annotations
 from torch import nn
 
 from gridtrain.parallel.tensor.base import linear_dims
+from gridtrain.parallel.tensor.flow_rules import check_columns, column_style
+from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.plan import (
     ATTENTION,
     COL_SHARDED,
     DROPOUT,
     EMBEDDING,
     LINEAR,
+    NORM,
     PATCH,
     ROW,
     PlanError,
@@ -42,8 +48,20 @@ def styles_1d(
     origin = {m: given[m][1] if m in given else inferred[m][1] for m in kinds}
     styles = {m: s for m, (s, _) in inferred.items()}
     if flow is not None:
+        _whole_inputs_replicate(styles, origin, kinds, flow)
         check_flow(styles, kinds, flow)
+        check_columns(styles, kinds, flow, modules, COL_SHARDED)
     return styles, origin
+
+
+def _whole_inputs_replicate(styles, origin, kinds, flow: Flow) -> None:
+    """A ``replicated_with_grad_allreduce`` norm whose input is whole stays ``replicate``."""
+    for name, kind in kinds.items():
+        if kind != NORM or styles[name] != GRAD_SUMMED:
+            continue
+        srcs = flow.sources.get(name, ())
+        if not any(styles.get(s) in COL_SHARDED for s in srcs):
+            styles[name], origin[name] = "replicate", f"{origin[name]}; input whole under 1d"
 
 
 def needs_flow(kinds: dict[str, str], given: dict) -> bool:
@@ -61,15 +79,21 @@ def dropout_options(kinds, styles, flow: Flow | None) -> dict[str, dict]:
     return out
 
 
-def split_sinks(kinds: dict[str, str], flow: Flow | None) -> set[str]:
-    """Linears whose output reaches a norm, an opaque layer, an embedding or the model output."""
+def split_sinks(kinds: dict[str, str], flow: Flow | None, styles: dict | None = None) -> set[str]:
+    """Linears whose output reaches a norm (but a per-head one, ``styles``), an opaque layer,
+    an embedding or the model output."""
     if flow is None:
         return set()
     bad = set(flow.output_sources)
     for m, srcs in flow.sources.items():
-        if kinds.get(m, LINEAR) not in _SPLIT_READERS:
+        if not _split_reader(m, kinds, styles or {}):
             bad |= srcs
     return bad
+
+
+def _split_reader(name: str, kinds: dict[str, str], styles: dict[str, str]) -> bool:
+    kind = kinds.get(name, LINEAR)
+    return kind in _SPLIT_READERS or (kind == NORM and styles.get(name) == GRAD_SUMMED)
 
 
 class _Inference:
@@ -78,10 +102,12 @@ class _Inference:
     def __init__(self, kinds, flow: Flow | None, modules, n: int):
         self.kinds, self.flow, self.modules, self.n = kinds, flow, modules, n
         self.out: dict[str, tuple[str, str]] = {}
-        self.bad_sinks = split_sinks(kinds, flow)
+        self.fixed: dict[str, str] = {}
+        self.bad_sinks: set[str] = set()
 
     def run(self, fixed: dict[str, str]) -> dict[str, tuple[str, str]]:
         self.out = {name: (style, "given") for name, style in fixed.items()}
+        self.fixed, self.bad_sinks = fixed, split_sinks(self.kinds, self.flow, fixed)
         flow, kinds = self.flow, self.kinds
         linears = [m for m in (flow.order if flow else kinds) if kinds.get(m) == LINEAR]
         if flow is not None:
@@ -114,7 +140,10 @@ class _Inference:
                 )
             return "rowwise", "traced: reads column-parallel outputs"
         if self._can_pair(name):
-            return "colwise", "traced: read by row-parallel layers"
+            style = column_style(name, self.flow, self.modules, "colwise")
+            if style is not None:
+                return style, "traced: read by row-parallel layers"
+            return self._head_style(name), "traced: its output packs unequal blocks"
         why = "feeds a norm or the output" if name in self.bad_sinks else "no row-parallel reader"
         return self._head_style(name), f"traced: {why}"
 
@@ -130,6 +159,8 @@ class _Inference:
             return False
         for reader in readers:
             kind = self.kinds.get(reader)
+            if kind == NORM and _split_reader(reader, self.kinds, self.fixed):
+                continue  # a per-head norm passes the split on
             if kind != DROPOUT and (
                 kind != LINEAR or self.out.get(reader, ("rowwise",))[0] not in ROW
             ):
@@ -152,7 +183,7 @@ class _Inference:
 
 def check_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> None:
     """Column layers must be read by row layers, and row layers must read column layers."""
-    bad = split_sinks(kinds, flow)
+    bad = split_sinks(kinds, flow, styles)
     for name in flow.order:
         style = styles.get(name)
         if kinds.get(name) != LINEAR:

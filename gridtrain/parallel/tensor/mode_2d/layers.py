@@ -95,17 +95,16 @@ class Norm(_GridModule):
         self.kind, self.offset = kind, offset
         by = g.q**2 if kind.has_weight or kind.has_bias else g.q
         check_divisible("Norm", "hidden", kind.hidden, by, "hidden blocks x parameter split")
-        self.shard("weight", both_axes(0, g))
-        if hasattr(dense, "bias"):
-            self.shard("bias", both_axes(0, g))
+        for name, held in (("weight", kind.has_weight), ("bias", kind.has_bias)):
+            if held:
+                self.shard(name, both_axes(0, g))
+            else:  # a weightless norm (OLMo's), or one without bias
+                self.register_parameter(name, None)
 
     def forward(self, x: Tensor) -> Tensor:
         g, k = self.grid, self.kind
         check_width("Norm", x, k.hidden // g.q)
-        w, b = (
-            gather_col(t, 0, g) if t is not None else None
-            for t in (self.weight, getattr(self, "bias", None))
-        )
+        w, b = (gather_col(t, 0, g) if t is not None else None for t in (self.weight, self.bias))
         return norm_over_group(x, k, g.row_group, w, b, self.offset)
 
     def extra_repr(self) -> str:

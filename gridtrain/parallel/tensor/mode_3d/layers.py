@@ -86,16 +86,18 @@ class Norm(_CubeModule):
         self.kind, self.offset = kind, offset
         by = self.cube.d**3 if kind.has_weight or kind.has_bias else self.cube.d
         check_divisible("Norm", "hidden", kind.hidden, by, "hidden blocks x parameter split")
-        self.shard("weight", hidden_spec(0, self.cube))
-        if hasattr(dense, "bias"):
-            self.shard("bias", hidden_spec(0, self.cube))
+        for name, held in (("weight", kind.has_weight), ("bias", kind.has_bias)):
+            if held:
+                self.shard(name, hidden_spec(0, self.cube))
+            else:  # a weightless norm (OLMo's), or one without bias
+                self.register_parameter(name, None)
 
     def forward(self, x: Tensor) -> Tensor:
         cube, k = self.cube, self.kind
         x = as_shard("Norm", x, k.hidden, cube)
         w, b = (
             comm.all_gather(t, 0, cube.group(cube.pair)) if t is not None else None
-            for t in (self.weight, getattr(self, "bias", None))
+            for t in (self.weight, self.bias)
         )
         return norm_over_group(x, k, cube.group(cube.hidden_axis), w, b, self.offset)
 
