@@ -214,7 +214,11 @@ def _cell(ctx, name: str, dtype, data) -> dict:
     state = gt.full_state_dict(engine.model)
     first = ctx.global_rank == 0  # dense values are alike on every rank: ship one
     return dict(
-        losses=losses, held=held, grads=grads if first else None, state=state if first else None
+        losses=losses,
+        held=held,
+        plan=str(engine.plan) if first else None,
+        grads=grads if first else None,
+        state=state if first else None,
     )
 
 
@@ -252,14 +256,18 @@ def verdict(family: str, layout_name: str) -> str:
     rank0 = cells[0]
     assert set(rank0["state"]) == set(ref.state), f"{tag}: state dict keys differ"
     for key, value in ref.state.items():
-        torch.testing.assert_close(rank0["state"][key], value, **tol, msg=f"{tag} {key}")
+        torch.testing.assert_close(rank0["state"][key], value, **tol, msg=_msg(f"{tag} {key}"))
     for key, g in ref.grads[0].items():
-        torch.testing.assert_close(rank0["grads"][key], g, **tol, msg=f"{tag} grad {key}")
+        torch.testing.assert_close(rank0["grads"][key], g, **tol, msg=_msg(f"{tag} grad {key}"))
     bound = HELD.get(layout_name)
     if bound is not None:
         held = max(c["held"] for c in cells)
         assert held <= bound, f"{tag}: a rank holds {held:.2f} of the model"
     return "="
+
+
+def _msg(tag: str):
+    return lambda detail: f"{tag}: {detail}"
 
 
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))

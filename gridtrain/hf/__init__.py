@@ -13,7 +13,7 @@ pretrained weights in and out of any layout.
 ``plan_model`` gives the tensor plan
 (``plans.py``: gridtrain's for GPT-2 and Phi-3, the model's own ``_tp_plan`` for the
 Llama family, head checks) and checks what replaced layers must keep computing
-(``families.py``: Gemma's scaled embedding; anything else is refused by name; a
+(``families.py``: embeddings that do more than look up rows, Gemma's and OPT's; a
 ``1 + weight`` norm is the planner's ``norm_offset``), ``after_apply`` fixes what the model's code needs once sharded
 (``patches.py``, ``families.py``; ring attention and global positions under
 'sequence': ``attention.py``), and ``pipeline_layers`` gives its pipeline units
@@ -61,7 +61,7 @@ def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[di
     from gridtrain.hf.plans import tensor_plan, trace_example
 
     plan = tensor_plan(model, ctx)
-    families.check(model, ctx.tensor_mode, ctx.config.parallel.tensor.plan or {})
+    plan.update(families.check(model, ctx.tensor_mode, ctx.config.parallel.tensor.plan or {}))
     if not model.config.architectures:
         model.config.architectures = [type(model).__name__]
     give_reset_parameters(model)  # gt.lazy_init: shards re-run the model's own init

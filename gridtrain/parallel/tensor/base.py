@@ -54,6 +54,17 @@ def linear_dims(dense: nn.Module) -> tuple[int, int, bool]:
     raise TypeError(f"expected an nn.Linear or a Hugging Face Conv1D, got {type(dense).__name__}")
 
 
+def own_forward(layer: ShardedModule) -> bool:
+    """Whether ``layer``'s dense embedding computes more than ``nn.Embedding``'s lookup (a
+    subclass with its own forward); if so its buffers are kept on ``layer`` for
+    ``run_dense``."""
+    dense = layer.dense
+    own = isinstance(dense, nn.Embedding) and type(dense).forward is not nn.Embedding.forward
+    if own:
+        layer.keep_buffers()
+    return own
+
+
 def check_divisible(layer: str, arg: str, value: int, by: int, why: str) -> None:
     """Raise a ValueError naming the argument unless ``by`` divides ``value``."""
     if value % by:
@@ -114,6 +125,21 @@ class ShardedModule(nn.Module):
             )
         self.register_parameter(name, param)
         self._tied.add(name)
+
+    def keep_buffers(self) -> None:
+        """Register the dense module's own buffers on this layer (values and persistence
+        kept), for ``run_dense``."""
+        dense = self.dense
+        for name, buf in dense.named_buffers(recurse=False):
+            persistent = name not in dense._non_persistent_buffers_set
+            self.register_buffer(name, buf, persistent=persistent)
+
+    def run_dense(self, params: dict[str, Tensor], *args, **kwargs):
+        """The dense module's own forward (``torch.func.functional_call`` on the twin), with
+        ``params`` and this layer's buffers in place of its tensors: a layer that changes
+        only the tensors a module computes with keeps everything else it does."""
+        tensors = {**dict(self.named_buffers(recurse=False)), **params}
+        return torch.func.functional_call(self.dense, tensors, args, kwargs)
 
     def release_dense(self) -> None:
         """Move the dense twin to the meta device: its values now live in the shards."""

@@ -9,9 +9,9 @@ the output's last dim (``split``, ``chunk``, ``qkv[..., :q]``), or along the out
 reshaped output (``view(..., heads + 2, head_dim)`` then ``[..., :heads, :]``).
 
 ``CutTracker`` watches, during the meta trace, every Linear's output and the reshapes of it
-that keep its leading dims, and records each cut (``Cut``): the widths of pieces cut
-straight off the last dim, and whether a reshaped output was cut along an outer or an inner
-factor. ``packing`` reads one Linear's record.
+that keep its leading dims, and records each cut (``Cut``): the widths (in output features)
+of pieces cut straight off the last dim or along the outer factor of a reshape, and whether
+a reshape was cut along an inner factor. ``packing`` reads one Linear's record.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ _VIEWS = {
     Tensor.float,
     Tensor.type_as,
 }
+_MOVES = {Tensor.transpose, torch.transpose, Tensor.permute, torch.permute}
 _DIM_CUTS = {  # function -> (position, keyword) of its dim argument
     Tensor.split: (2, "dim"),
     torch.split: (2, "dim"),
@@ -53,87 +54,100 @@ _DIM_CUTS = {  # function -> (position, keyword) of its dim argument
 class Cut:
     """The cuts seen on one Linear's output (module docstring)."""
 
-    widths: list[int] = field(default_factory=list)  # pieces cut straight off the last dim
-    outer: bool = False  # a reshaped output cut along its outer factor: packed blocks
+    widths: list[int] = field(default_factory=list)  # blocks, in output features
     inner: bool = False  # cut along an inner factor: per head, whole under a column split
 
 
 def packing(cut: Cut | None, out_features: int) -> int | None:
     """How many equal blocks the output packs (1: none, a column split keeps whole heads), or
-    None when it packs blocks a column split cannot keep whole (unequal widths, outer cuts)."""
-    if cut is None or (not cut.widths and not cut.outer):
+    None when it packs blocks a column split cannot keep whole (unequal widths)."""
+    if cut is None or not cut.widths:
         return 1
-    if cut.outer or sum(cut.widths) != out_features or len(set(cut.widths)) != 1:
+    if sum(cut.widths) != out_features or len(set(cut.widths)) != 1:
         return None
     return len(cut.widths)
 
 
 class CutTracker(TorchFunctionMode):
-    """Records ``Cut``s of the outputs ``watch`` registers (see the module docstring)."""
+    """Records ``Cut``s of the outputs ``watch`` registers (see the module docstring).
+
+    Each watched tensor carries its *factor dims*: the dims, outer to inner, that the Linear's
+    output features were reshaped into (the last dim alone at first); reshapes keeping the
+    leading dims and transposes or permutes carry them along."""
 
     def __init__(self):
         super().__init__()
         self.cuts: dict[str, Cut] = {}
-        # id -> (tensor, Linear, leading dims kept, output width); the first call's output only
-        self._views: dict[int, tuple[Tensor, str, int, int]] = {}
-        self._first: dict[str, int] = {}
+        # id -> (tensor, Linear, its factor dims, the output's leading shape); first call only
+        self._views: dict[int, tuple[Tensor, str, tuple[int, ...], torch.Size]] = {}
+        self._seen: set[str] = set()
 
     def watch(self, name: str, out: Tensor) -> None:
         """``out`` is Linear ``name``'s output (only its first call's output is watched)."""
-        if name in self._first or not isinstance(out, Tensor) or out.dim() == 0:
+        if name in self._seen or not isinstance(out, Tensor) or out.dim() == 0:
             return
-        self._first[name] = id(out)
-        self._views[id(out)] = (out, name, out.dim() - 1, out.shape[-1])
+        self._seen.add(name)
+        self._views[id(out)] = (out, name, (out.dim() - 1,), out.shape[:-1])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        src = self._source(args[0] if args else None)
-        if src is not None:
+        entry = self._entry(args[0] if args else None)
+        if entry is not None:
             if func in _VIEWS:
-                self._view(src, result)
+                self._view(entry, result)
+            elif func in _MOVES:
+                self._move(entry, func, args, kwargs, result)
             elif func in _DIM_CUTS:
-                self._cut(src, args[0], result, _dim_arg(func, args, kwargs))
+                self._cut(entry, args[0], result, _dim_arg(func, args, kwargs))
             elif func is Tensor.__getitem__:
-                self._index(src, args[0], args[1], result)
+                for dim, size in _indexed_dims(args[1], args[0].shape):
+                    self._record(entry, args[0], dim, [size])
         return result
 
-    def _source(self, t) -> tuple[str, int, int] | None:
+    def _entry(self, t):
         entry = self._views.get(id(t)) if isinstance(t, Tensor) else None
-        if entry is None or entry[0] is not t:
-            return None
-        return entry[1], entry[2], entry[3]
+        return entry if entry is not None and entry[0] is t else None
 
-    def _view(self, src, result) -> None:
-        name, lead, width = src
-        if not isinstance(result, Tensor) or result.dim() <= lead:
-            return
-        arg_shape = self._views[self._first[name]][0].shape[:lead]
-        if result.shape[:lead] == arg_shape and math.prod(result.shape[lead:]) == width:
-            self._views[id(result)] = (result, name, lead, width)
+    def _keep(self, entry, result: Tensor, factors: tuple[int, ...]) -> None:
+        self._views[id(result)] = (result, entry[1], factors, entry[3])
 
-    def _cut(self, src, t: Tensor, result, dim: int) -> None:
-        name, lead, _ = src
+    def _view(self, entry, result) -> None:
+        """A reshape keeping the output's leading dims: its trailing dims are the factors."""
+        _, _, factors, lead_shape = entry
+        lead = len(lead_shape)
+        if not isinstance(result, Tensor) or result.dim() <= lead or factors[0] != lead:
+            return  # a transposed tensor reshaped: no longer followed
+        if result.shape[:lead] == lead_shape:
+            self._keep(entry, result, tuple(range(lead, result.dim())))
+
+    def _move(self, entry, func, args, kwargs, result) -> None:
+        """A transpose or permute: the factors move with their dims."""
+        t = args[0]
+        order = list(range(t.dim()))
+        if func in (Tensor.transpose, torch.transpose):
+            a, b = (d % t.dim() for d in args[1:3])
+            order[a], order[b] = order[b], order[a]
+        else:
+            dims = args[1:] if len(args) > 2 or not isinstance(args[1], tuple | list) else args[1]
+            order = [d % t.dim() for d in dims]
+        self._keep(entry, result, tuple(order.index(f) for f in entry[2]))
+
+    def _cut(self, entry, t: Tensor, result, dim: int) -> None:
         dim = dim % t.dim()
         pieces = result if isinstance(result, tuple | list) else [result]
-        self._record(
-            name, lead, t.dim(), dim, [p.shape[dim] if p.dim() > dim else 1 for p in pieces]
-        )
+        kept = all(p.dim() == t.dim() for p in pieces)  # unbind drops the dim: pieces of 1
+        self._record(entry, t, dim, [p.shape[dim] if kept else 1 for p in pieces])
 
-    def _index(self, src, t: Tensor, index, result) -> None:
-        name, lead, _ = src
-        for dim in _indexed_dims(index, t.dim()):
-            width = result.shape[-1] if isinstance(result, Tensor) and result.dim() else 1
-            self._record(name, lead, t.dim(), dim, [width])
-
-    def _record(self, name: str, lead: int, ndim: int, dim: int, widths: list[int]) -> None:
-        if dim < lead:
+    def _record(self, entry, t: Tensor, dim: int, sizes: list[int]) -> None:
+        """Pieces of ``sizes`` along ``dim`` of ``t`` (a watched output or a reshape of it)."""
+        _, name, factors, _ = entry
+        if dim not in factors:
             return  # batch or sequence rows: no packing
         cut = self.cuts.setdefault(name, Cut())
-        if ndim - lead == 1:
-            cut.widths += widths
-        elif dim == lead:
-            cut.outer = True
+        if dim == factors[0]:  # the last dim itself, or a reshape's outer factor: blocks
+            per = math.prod(t.shape[f] for f in factors[1:])
+            cut.widths += [s * per for s in sizes]
         else:
             cut.inner = True
 
@@ -145,16 +159,19 @@ def _dim_arg(func, args, kwargs) -> int:
     return args[pos] if len(args) > pos else 0
 
 
-def _indexed_dims(index, ndim: int) -> list[int]:
-    """The dims an index restricts (an int or a slice that is not ``:``), in ``t``'s dims."""
+def _indexed_dims(index, shape: torch.Size) -> list[tuple[int, int]]:
+    """(dim, size kept) for each dim an index restricts (an int, or a slice that is not
+    ``:``), in the indexed tensor's dims."""
     items = list(index) if isinstance(index, tuple) else [index]
     if any(i is None or isinstance(i, Tensor | list) for i in items):
         return []  # new axes or advanced indexing: not a plain cut
     if Ellipsis in items:
         at = items.index(Ellipsis)
-        items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1 :]
-    return [
-        d
-        for d, i in enumerate(items)
-        if isinstance(i, int) or (isinstance(i, slice) and i != slice(None))
-    ]
+        items = items[:at] + [slice(None)] * (len(shape) - len(items) + 1) + items[at + 1 :]
+    out = []
+    for d, i in enumerate(items):
+        if isinstance(i, int):
+            out.append((d, 1))
+        elif isinstance(i, slice) and i != slice(None):
+            out.append((d, len(range(*i.indices(shape[d])))))
+    return out

@@ -5,7 +5,7 @@ per-head norms. Every mode applies these rules, whoever gave the style.
   Linear's output features. ``column_style`` turns a Linear whose output the model cuts into
   equal blocks (GPT-2's ``[q | k | v]``, a fused ``[gate | up]``) into ``packed_colwise``
   with that many blocks; ``check_columns`` refuses, naming the module, a column split of an
-  output cut into unequal blocks or along the outer factor of a reshape, a plain split of a
+  output cut into unequal blocks (Phi-3's grouped-query ``qkv_proj``), a plain split of a
   packed one, and a fused projection (one Linear feeding two of an attention's query, key and
   value) whose packing the trace did not see.
 * **Per-head norms.** A norm narrower than the Linear output it reads normalises each head
@@ -84,7 +84,7 @@ def _unseen_fusion(name: str, flow: Flow | None, cut: Cut | None) -> bool:
     """A fused projection whose output the model cut in no way the trace follows."""
     if flow is None or name not in flow.fused():
         return False
-    return cut is None or not (cut.widths or cut.outer or cut.inner)
+    return cut is None or not (cut.widths or cut.inner)
 
 
 def _cut_error(name: str, style: str, cut: Cut | None, k: int | None) -> str:
@@ -99,13 +99,9 @@ def _cut_error(name: str, style: str, cut: Cut | None, k: int | None) -> str:
             f"'{name}' as {style}: the model reshapes its output per head before cutting it, so "
             "the blocks are interleaved per head; use colwise"
         )
-    how = (
-        f"unequal blocks of widths {cut.widths}"
-        if cut.widths
-        else "blocks laid one after another (a reshape cut along its outer dim)"
-    )
     return (
-        f"'{name}' as {style}: the model cuts its output into {how}, which no "
+        f"'{name}' as {style}: the model cuts its output into blocks of unequal widths "
+        f"{cut.widths}, which no "
         "column split keeps whole on each rank; keep its output whole (1d: "
         "colwise_gather_output in parallel.tensor.plan) or use a layout without tensor "
         "splitting for this model"

@@ -12,7 +12,6 @@ and under 2d, 2.5d and 3d, whose activations are always blocked over the whole g
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from gridtrain.parallel import comm
@@ -36,18 +35,15 @@ class GradSummed(ShardedModule):
         self.mode = mode
         for name, _ in dense.named_parameters(recurse=False):
             self.shard(name)  # replicated
-        for name, buf in dense.named_buffers(recurse=False):
-            persistent = name not in dense._non_persistent_buffers_set
-            self.register_buffer(name, buf, persistent=persistent)
+        self.keep_buffers()
 
     def forward(self, *args, **kwargs):
         group = self.ctx.group(self.mode)
-        tensors = {
+        params = {
             name: comm.copy_to_group(p, group) if p.requires_grad else p
             for name, p in self.named_parameters(recurse=False)
         }
-        tensors.update(self.named_buffers(recurse=False))
-        return torch.func.functional_call(self.dense, tensors, args, kwargs)
+        return self.run_dense(params, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"{type(self.dense).__name__}, gradients summed over {self.mode.name}"

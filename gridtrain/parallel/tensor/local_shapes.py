@@ -49,6 +49,7 @@ from gridtrain.parallel.tensor.trace import (
     AttentionCall,
     AttentionRecorder,
     Flow,
+    ModuleTrail,
     first_input_shape,
     run_on_meta,
 )
@@ -76,14 +77,15 @@ def check_local_shapes(
         return
     recorder = AttentionRecorder(model)
     try:
-        run_on_meta(model, local, _stand_ins(model, plan, spec, split, ctx), (recorder,))
+        with ModuleTrail(model) as trail:
+            run_on_meta(model, local, _stand_ins(model, plan, spec, split, ctx), (recorder,))
     except PlanError:  # a layer's own refusal (an MHA argument it does not compute)
         raise
     except Exception as err:  # noqa: BLE001 - the model's own error, explained
         raise _heads_error(flow.attention, split, what) or PlanError(
-            f"tensor mode {plan.mode!r}: {type(model).__name__}'s forward fails on this rank's "
-            f"activations, whose hidden dims arrive split over {what} "
-            f"({type(err).__name__}: {str(err).splitlines()[0][:300]}); {FIX}"
+            f"tensor mode {plan.mode!r}: {type(model).__name__}'s forward fails in "
+            f"{trail.where()} on this rank's activations, whose hidden dims arrive split over "
+            f"{what} ({type(err).__name__}: {str(err).splitlines()[0][:300]}); {FIX}"
         ) from None
     if len(recorder.calls) != len(flow.attention):
         return  # data-dependent control flow: the calls cannot be paired

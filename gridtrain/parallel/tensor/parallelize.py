@@ -114,7 +114,10 @@ def _trace(model, spec: TensorMode, kinds, given, example) -> tuple[Flow | None,
         example = _entry_example(model, spec.name, spec.needs_flow(kinds, given))
     if example is None:
         return None, None
-    return trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()}), example
+    try:
+        return trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()}), example
+    except RuntimeError as err:  # the planner cannot plan what it cannot trace: a refusal
+        raise PlanError(str(err)) from err.__cause__
 
 
 def _entry_example(model: nn.Module, mode: str, needed: bool) -> Any:

@@ -158,13 +158,14 @@ def trace_flow(
     opaque = {name: first_input_shape for name, how in tracked.items() if how == OPAQUE}
     recorder = AttentionRecorder(model, tagger)
     try:
-        out = run_on_meta(model, example, opaque, (tagger, recorder, cuts))
+        with ModuleTrail(model) as trail:
+            out = run_on_meta(model, example, opaque, (tagger, recorder, cuts))
         flow.output_sources = set(tagger.sources_of(out))
     except Exception as err:  # noqa: BLE001 - the model's own error, re-raised with advice
         raise RuntimeError(
-            f"tracing {type(model).__name__}'s data flow on the meta device failed "
-            f"({type(err).__name__}: {err}); give the layer styles in parallel.tensor.plan "
-            "instead"
+            f"tracing {type(model).__name__}'s data flow on the meta device failed in "
+            f"{trail.where()} ({type(err).__name__}: {str(err).splitlines()[0][:300]}); give "
+            "the layer styles in parallel.tensor.plan instead"
         ) from err
     finally:
         for h in hooks:
@@ -197,6 +198,40 @@ def run_on_meta(
     finally:
         for name in forwards or {}:
             del modules[name].forward
+
+
+class ModuleTrail:
+    """The modules whose forward is running, kept when one raises: ``where()`` then names the
+    innermost, the one that failed."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.stack, self._hooks = model, [], []
+
+    def __enter__(self) -> ModuleTrail:
+        for name, module in self.model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(self._push(name)))
+            self._hooks.append(module.register_forward_hook(self._pop))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _push(self, name: str) -> Callable:
+        def hook(module, args):
+            self.stack.append(name)
+
+        return hook
+
+    def _pop(self, module, args, output) -> None:
+        self.stack.pop()
+
+    def where(self) -> str:
+        """The innermost running module, in words."""
+        if not self.stack or not self.stack[-1]:
+            return f"{type(self.model).__name__}'s own forward"
+        name = self.stack[-1]
+        return f"'{name}' ({type(self.model.get_submodule(name)).__name__})"
 
 
 class AttentionRecorder(TorchFunctionMode):

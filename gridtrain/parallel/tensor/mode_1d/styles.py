@@ -143,7 +143,8 @@ class _Inference:
             style = column_style(name, self.flow, self.modules, "colwise")
             if style is not None:
                 return style, "traced: read by row-parallel layers"
-            return self._head_style(name), "traced: its output packs unequal blocks"
+            why = "its output packs blocks no column split keeps whole"
+            return self._head_style(name), f"traced: {why}: gathered"
         why = "feeds a norm or the output" if name in self.bad_sinks else "no row-parallel reader"
         return self._head_style(name), f"traced: {why}"
 

@@ -21,7 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.tensor.base import ShardedModule, check_divisible, linear_dims
+from gridtrain.parallel.tensor.base import (
+    ShardedModule,
+    check_divisible,
+    linear_dims,
+    own_forward,
+)
 from gridtrain.parallel.tensor.mode_2d.grid import (
     SummaGrid,
     both_axes,
@@ -114,7 +119,10 @@ class Norm(_GridModule):
 
 
 class Embedding(_GridModule):
-    """Token embedding with the embedding dim split (1/q^2); output blocked like activations."""
+    """Token embedding with the embedding dim split (1/q^2); output blocked like activations.
+
+    An embedding class with its own forward (OPT's learned positions, Gemma's scaled rows)
+    runs that forward on this rank's block of the table (``own_forward``)."""
 
     def __init__(self, dense: nn.Embedding, ctx=None):
         super().__init__(dense, ctx)
@@ -123,9 +131,13 @@ class Embedding(_GridModule):
         self.num_embeddings, self.embedding_dim = dense.num_embeddings, dense.embedding_dim
         self.padding_idx = dense.padding_idx
         self.shard("weight", both_axes(1, g))
+        self.own_forward = own_forward(self)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, gather_col(self.weight, 1, self.grid), self.padding_idx)
+    def forward(self, *args, **kwargs) -> Tensor:
+        w = gather_col(self.weight, 1, self.grid)
+        if self.own_forward:
+            return self.run_dense({"weight": w}, *args, **kwargs)
+        return F.embedding(args[0], w, self.padding_idx)
 
 
 class Classifier(_GridModule):

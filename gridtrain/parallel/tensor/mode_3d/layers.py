@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.tensor.base import ShardedModule, check_divisible, linear_dims
+from gridtrain.parallel.tensor.base import ShardedModule, check_divisible, linear_dims, own_forward
 from gridtrain.parallel.tensor.mode_3d.cube import (
     INPUT,
     PAIR,
@@ -134,10 +134,13 @@ class Embedding(_Orientation0):
         self.num_embeddings, self.embedding_dim = dense.num_embeddings, dense.embedding_dim
         self.padding_idx = dense.padding_idx
         self.shard("weight", hidden_spec(1, self.cube))
+        self.own_forward = own_forward(self)  # see mode_2d's Embedding
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, *args, **kwargs) -> Tensor:
         w = comm.all_gather(self.weight, 1, self.cube.group(self.cube.pair))
-        return self._to_layout(F.embedding(ids, w, self.padding_idx))
+        if self.own_forward:
+            return self._to_layout(self.run_dense({"weight": w}, *args, **kwargs))
+        return self._to_layout(F.embedding(args[0], w, self.padding_idx))
 
 
 class VocabParallelEmbedding(_Orientation0):
