@@ -106,9 +106,11 @@ def local_view(model: nn.Module, plan, ctx: ParallelContext) -> Iterator[None]:
 
 
 def _localise(model: nn.Module, plan, ctx: ParallelContext, undo: list) -> None:
-    """GPT-2's and Phi-3's attention take their head counts from attributes: this rank's."""
-    from gridtrain.hf.patches import localise_gpt2_heads, localise_phi3_heads
+    """Attention that takes its head counts from attributes gets this rank's (``patches.py``)."""
+    from gridtrain.hf.patches import localise_gpt2_heads, localise_heads, localise_phi3_heads
     from gridtrain.hf.plans import head_split
+    from gridtrain.parallel.tensor.plan import LINEAR
+    from gridtrain.parallel.tensor.registry import spec_of
 
     model_type = getattr(model.config, "model_type", None)
     split, _ = head_split(ctx)
@@ -117,3 +119,11 @@ def _localise(model: nn.Module, plan, ctx: ParallelContext, undo: list) -> None:
     elif model_type == "phi3":
         packed = {n for n, e in plan.entries.items() if e.style == "packed_colwise"}
         localise_phi3_heads(model, packed, split, undo)
+    else:
+        splits = spec_of(ctx).splits_output
+        split_out = {
+            n
+            for n, e in plan.entries.items()
+            if e.kind == LINEAR and e.layer and splits and splits(e.kind, e.style)
+        }
+        localise_heads(model, split_out, split, undo)

@@ -5,7 +5,9 @@
   ``3 * hidden / split`` features, so ``split_size`` (and ``num_heads``) become local.
   Phi-3 cuts its fused ``qkv_proj`` output at the dense query width, so its attention
   modules get local head counts too. Llama-family attention reshapes with ``-1`` heads
-  and needs nothing.
+  and needs nothing; any other attention that keeps its head counts as attributes (OPT's
+  ``num_heads``) gets this rank's where its projections are split (``localise_heads``):
+  the planner's run on this rank's shapes checks the result before any weight moves.
 * ``gt.lazy_init()`` builds the model on meta; the engine then allocates each rank's
   shards and re-runs ``reset_parameters``. HF modules without one (``Conv1D``,
   ``*RMSNorm``) get the model's own ``_init_weights``, and rotary embeddings, whose
@@ -70,6 +72,28 @@ def localise_phi3_heads(model: nn.Module, packed: set[str], split: int, undo: Un
             set_undoable(undo, module, "num_key_value_heads", module.num_key_value_heads // split)
             local = _LocalHeads(module.config, module.config.num_attention_heads // split)
             set_undoable(undo, module, "config", local)
+
+
+# attributes an attention module may keep its (query or key/value) head counts in
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads")
+
+
+def localise_heads(model: nn.Module, split_out: set[str], split: int, undo: Undo) -> None:
+    """In every module with a direct child in ``split_out`` (the planned layers whose output
+    stays split over the heads), head-count attributes equal to the config's query or
+    key/value head count become this rank's (``split`` ways)."""
+    if split == 1:
+        return
+    cfg = model.config
+    counts = {getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if not any(f"{prefix}{child}" in split_out for child, _ in module.named_children()):
+            continue
+        for attr in HEAD_ATTRS:
+            value = getattr(module, attr, None)
+            if type(value) is int and value in counts and value % split == 0:
+                set_undoable(undo, module, attr, value // split)
 
 
 def give_reset_parameters(model: nn.Module) -> None:

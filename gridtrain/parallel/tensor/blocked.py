@@ -114,6 +114,11 @@ def splits_output(kind: str, style: str) -> bool:
     return not (kind == LINEAR and style in GATHERED)
 
 
+def splits_input(kind: str, style: str) -> bool:
+    """Every Linear and norm reads blocked activations, but a per-head norm (its last dim whole)."""
+    return kind in (LINEAR, NORM) and style != GRAD_SUMMED
+
+
 def check_all_params_planned(plan: Plan, model: nn.Module) -> None:
     """Every parameter must belong to a layer the mode replaces (module docstring)."""
     covered = {
@@ -159,6 +164,7 @@ def blocked_mode(name: str, split_batch, loss, accuracy, **parts) -> TensorMode:
         check=check_all_params_planned,
         tie_alternatives=TIE_ALTERNATIVES,
         splits_output=splits_output,
+        splits_input=splits_input,
         splits_weights=True,
         **parts,
     )

@@ -33,6 +33,7 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.entry_input import infer_example
+from gridtrain.parallel.tensor.norm import norm_kind
 from gridtrain.parallel.tensor.plan import (
     ATTENTION,
     DROPOUT,
@@ -78,7 +79,8 @@ def check_local_shapes(
     recorder = AttentionRecorder(model)
     try:
         with ModuleTrail(model) as trail:
-            run_on_meta(model, local, _stand_ins(model, plan, spec, split, ctx), (recorder,))
+            stand_ins = _stand_ins(model, plan, spec, split, ctx, what)
+            run_on_meta(model, local, stand_ins, (recorder,))
     except PlanError:  # a layer's own refusal (an MHA argument it does not compute)
         raise
     except Exception as err:  # noqa: BLE001 - the model's own error, explained
@@ -173,22 +175,61 @@ def _local_example(example: Any, ctx: ParallelContext) -> Any:
 
 
 def _stand_ins(
-    model: nn.Module, plan: Plan, spec: TensorMode, split: int, ctx: ParallelContext
+    model: nn.Module, plan: Plan, spec: TensorMode, split: int, ctx: ParallelContext, what: str
 ) -> dict[str, Callable]:
-    """Module path -> shape-only forward, for every layer the plan replaces (or keeps opaque)."""
+    """Module path -> shape-only forward, for every layer the plan replaces (or keeps opaque);
+    a replaced Linear or norm first checks the width of what reaches it (``_in_width``)."""
     out: dict[str, Callable] = attention_stand_ins(model, plan, ctx)
     for name, entry in plan.entries.items():
         if name in out:
             continue
+        forward = None
         if entry.kind == OPAQUE or (entry.layer and entry.kind in (NORM, DROPOUT)):
-            out[name] = first_input_shape
+            forward = first_input_shape
         elif entry.layer:  # a Linear, an embedding or a patch embedding
             module = model.get_submodule(name)
             width = _out_width(module)
             if spec.splits_output(entry.kind, entry.style):
                 width //= split
-            out[name] = _resized(module, entry.kind, width)
+            forward = _resized(module, entry.kind, width)
+        if forward is None:
+            continue
+        width = _in_width(model.get_submodule(name), entry, spec, split)
+        out[name] = (
+            forward if width is None else _checked(forward, name, entry, width, what, plan.mode)
+        )
     return out
+
+
+def _in_width(module: nn.Module, entry, spec: TensorMode, split: int) -> int | None:
+    """The last dim this rank's replacement of a Linear or norm takes (None: not checked)."""
+    if not entry.layer or spec.splits_input is None or entry.kind not in (LINEAR, NORM):
+        return None
+    if entry.kind == LINEAR:
+        width = linear_dims(module)[0]
+    else:
+        kind = norm_kind(module)
+        if kind is None:
+            return None
+        width = kind.hidden
+    return width // split if spec.splits_input(entry.kind, entry.style) else width
+
+
+def _checked(forward: Callable, name: str, entry, width: int, what: str, mode: str) -> Callable:
+    """``forward``, refusing by name an input whose last dim is not ``width``: the layer that
+    feeds it leaves its output split where this one needs it whole, or the reverse."""
+
+    def checked(x: Tensor, *args, **kwargs):
+        if isinstance(x, Tensor) and x.dim() and x.shape[-1] != width:
+            split = "split over " + what if x.shape[-1] < width else "whole"
+            raise PlanError(
+                f"'{name}' ({entry.kind}, style {entry.style!r}) takes inputs whose last dim is "
+                f"{width} on this rank under tensor mode {mode!r}, but gets {x.shape[-1]}: what feeds it arrives {split}; "
+                "give it and the layers before it matching styles in parallel.tensor.plan"
+            )
+        return forward(x, *args, **kwargs)
+
+    return checked
 
 
 def _out_width(module: nn.Module) -> int:

@@ -3,9 +3,9 @@ become under 2D, 2.5D and 3D, and how the planner recognises a norm it may repla
 
 A norm is recognised by what it computes, not by its class: torch's ``nn.LayerNorm`` and
 ``nn.RMSNorm`` are known; any other module shaped like a norm (parameters at most a 1-D
-``weight`` and ``bias``, a width from its weight or ``normalized_shape``, an ``eps``-like
-attribute or "Norm" in its class name; Llama's and Cohere's norms, OLMo's weightless one) is
-probed once on a small CPU copy (``_probe``): LayerNorm or RMS, scaling by ``weight`` or by
+``weight`` and ``bias``, a width from its weight or ``normalized_shape``, whatever its
+name; Llama's and Cohere's norms, OLMo's weightless one) is probed once per class and
+settings on a small CPU copy (``_probe``): LayerNorm or RMS, scaling by ``weight`` or by
 ``1 + weight`` (Gemma, whose weight starts at 0), with its epsilon. The grid norm is handed
 that form; the weight is stored as the model stores it, so dense state dicts and
 checkpoints keep the model's own values. A module named like a norm that computes none of
@@ -86,8 +86,6 @@ def _norm_shape(module: nn.Module) -> tuple[int, bool, bool] | None:
     else:
         return None
     if "bias" in params and params["bias"].shape[0] != hidden:
-        return None
-    if _eps_attr(module) is None and "Norm" not in type(module).__name__:
         return None
     return hidden, "weight" in params, "bias" in params
 

@@ -49,7 +49,8 @@ class TensorMode:
     flow (None: the mode never traces); ``entry_options(kinds, styles, flow)`` adds the
     options its layers take (module -> options); ``check(plan, model)`` runs after the dry
     run; ``splits_output(kind, style)`` says whether a replaced layer's output leaves its
-    last dim split (None: the model's forward is not re-run on local shapes);
+    last dim split (None: the model's forward is not re-run on local shapes), and
+    ``splits_input(kind, style)`` whether it takes its input so (the dry run checks it);
     ``forward_mode(ctx)`` is the context the engine runs every forward of the model in
     (the planner's dry run on this rank's shapes too).
     """
@@ -68,6 +69,8 @@ class TensorMode:
     tie_alternatives: tuple[str, ...] = ()  # styles a tied Linear may take to match its twin
     head_split: Callable[[int, int], tuple[int, str]] = no_head_split  # (ways, group in words)
     splits_output: Callable[[str, str], bool] | None = None
+    # (kind, style) -> whether the replaced layer takes its input's last dim split; None: no check
+    splits_input: Callable[[str, str], bool] | None = None
     splits_weights: bool = False  # whether the coverage notice applies
     # (ctx) -> the context every forward of the model runs in; None: nothing around it
     forward_mode: Callable[[Any], AbstractContextManager] | None = None

@@ -49,6 +49,11 @@ def _splits_output(kind: str, style: str) -> bool:
     return kind == LINEAR and style in (*COL_SHARDED, "vocab_parallel")
 
 
+def _splits_input(kind: str, style: str) -> bool:
+    """A row-parallel Linear reads a column-parallel output; every other layer a whole one."""
+    return kind == LINEAR and style == "rowwise"
+
+
 MODE = TensorMode(
     "1d",
     split_batch,
@@ -68,6 +73,7 @@ MODE = TensorMode(
     ),
     head_split=lambda size, depth: (size, f"PARALLEL_1D ({size} ranks)"),
     splits_output=_splits_output,
+    splits_input=_splits_input,
     splits_weights=True,
 )
 
