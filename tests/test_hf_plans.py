@@ -10,8 +10,8 @@
 * the sharded-shape dry run runs for HF models: a plan whose local shapes break the model's
   forward is a ``gt.PlanError`` at ``initialize`` naming the module, before any weight moves;
 * a fused projection the trace cannot follow is refused naming it under 2d;
-* norms are recognised by what they compute (Cohere's ``CohereLayerNorm``, OLMo's weightless
-  LayerNorm, a Gemma-style ``1 + weight`` norm of any name).
+* Qwen3's ``replicated_with_grad_allreduce`` (its per-head norms) is understood, and norms
+  are recognised by what they compute (Cohere's ``CohereLayerNorm`` under 2d).
 
 Equality: the global losses of two SGD steps, the first step's gradients and the trained
 weights against the same model in one plain process (float64; ``TOL``), each rank holding
@@ -37,7 +37,6 @@ from test_hf_sweep import batches, dense_loss, lm_loss, sgd
 from torch import nn
 
 import gridtrain as gt
-from gridtrain.parallel.tensor.norm import norm_kind, norm_offset
 
 TOL = dict(rtol=1e-6, atol=1e-8)  # float64: summation order only; norms rounding inside to
 # float32 do so in both runs alike. A stale weight is off by a whole SGD step.
@@ -218,37 +217,15 @@ def test_a_fused_projection_the_trace_cannot_follow_is_refused_by_name():
         assert message is not None and "'qkv'" in message and "fused" in message, message
 
 
-def test_norms_are_recognised_by_what_they_compute():
-    """No process: Cohere's LayerNorm (no bias, float32 inside), OLMo's weightless LayerNorm
-    and a ``1 + weight`` RMS norm named otherwise are norms of their form; a module that only
-    scales is none."""
-    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
-    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+def test_qwen3_plan_with_replicated_with_grad_allreduce_is_sharded_under_1d():
+    """Qwen3's own ``_tp_plan`` gives its per-head ``q_norm`` / ``k_norm``
+    ``replicated_with_grad_allreduce``; the model is sharded by that plan, not refused."""
+    rank0 = assert_equal("qwen3", 2, TP(2, "1d"))
+    rows = {line.split()[0]: line for line in rank0["plan"].splitlines()[2:]}
+    assert "replicated_with_grad_allreduce" in rows["model.layers.0.self_attn.q_norm"]
 
-    class Scaled(nn.Module):  # (1 + w) * x / rms(x), eps kept in the code
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.zeros(16))
 
-        def forward(self, x):
-            return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-    class Gain(nn.Module):  # w * x: no normalisation
-        def __init__(self):
-            super().__init__()
-            self.weight, self.eps = nn.Parameter(torch.ones(16)), 1e-6
-
-        def forward(self, x):
-            return self.weight * x
-
-    cohere, olmo, scaled = norm_kind(CohereLayerNorm(16)), norm_kind(OlmoLayerNorm(16)), None
-    assert (cohere.rms, cohere.has_weight, cohere.has_bias, cohere.offset) == (
-        False,
-        True,
-        False,
-        0,
-    )
-    assert (olmo.rms, olmo.has_weight, olmo.eps) == (False, False, 1e-5)
-    scaled = norm_kind(Scaled())
-    assert (scaled.rms, scaled.eps, norm_offset(Scaled())) == (True, 1e-6, 1.0)
-    assert norm_kind(Gain()) is None
+def test_cohere_layernorm_is_recognised_under_2d():
+    """``CohereLayerNorm`` (a LayerNorm without bias, computed in float32, no "LayerNorm"
+    base class) is the grid's norm under 2d, equal to one process."""
+    assert_equal("cohere", 4, TP(4, "2d"))

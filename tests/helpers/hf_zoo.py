@@ -17,36 +17,36 @@ import warnings
 
 import torch
 
-VOCAB = 128
+VOCAB = 64
 # the sizes every family gets where its config has the field (attribute_map aliases included)
 TINY = dict(
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
+    hidden_size=32,
+    intermediate_size=64,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
+    head_dim=8,
+    max_position_embeddings=32,
     num_experts=4,
     num_local_experts=4,
     num_experts_per_tok=2,
-    moe_intermediate_size=32,
+    moe_intermediate_size=16,
     n_routed_experts=4,
     n_shared_experts=1,
-    shared_expert_intermediate_size=32,
+    shared_expert_intermediate_size=16,
 )
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 # model type -> config changes beyond TINY that it needs to build small and run (data)
 CONFIG: dict[str, dict] = {
     "falcon": dict(head_dim=None, new_decoder_architecture=True, num_kv_heads=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], num_layers=2, window_size=8),
-    "gptj": dict(rotary_dim=8),
-    "codegen": dict(rotary_dim=8),
-    "ctrl": dict(dff=128),
-    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
-    "xglm": dict(ffn_dim=128),
-    "rembert": dict(input_embedding_size=64, output_embedding_size=64),
+    "gptj": dict(rotary_dim=4),
+    "codegen": dict(rotary_dim=4),
+    "ctrl": dict(dff=64),
+    "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+    "xglm": dict(ffn_dim=64),
+    "rembert": dict(input_embedding_size=32, output_embedding_size=32),
 }
 # model types whose class name does not say they are no text model
 NOT_TEXT = {
@@ -56,7 +56,7 @@ NOT_TEXT = {
     "trocr": "the decoder of an OCR model",
     "moshi": "audio (speech-text) model",
 }
-MAX_PARAMS = 1_000_000  # a config that does not shrink below this is not tiny
+MAX_PARAMS = 300_000  # a config that does not shrink below this is not tiny
 SEQ = 8
 
 

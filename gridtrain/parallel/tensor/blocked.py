@@ -74,12 +74,13 @@ def infer_styles(kinds, given, flow: Flow | None, modules=None, n: int = 0):
     """Every layer's style and origin: given styles a blocked layer can take, the mode's
     Linear for every other Linear (packed where the model cuts its output into equal
     blocks), its classifier for a model output, defaults elsewhere. A model plan's gathered
-    Linear that is no model output (OLMo2's q/k/v under 1d) is the mode's Linear here: every
-    activation is blocked, and what reads it (a norm over q) expects it so."""
+    Linear that is no model output (OLMo2's q/k/v under 1d) is the mode's Linear here where a
+    column split fits its output: every activation is blocked, and what reads it (a norm
+    over q) expects it so."""
     styles, origin = {}, {}
     heads = flow.output_sources if flow else set()
     for name, kind in kinds.items():
-        if name in given and (kind != LINEAR or _kept(given[name], name in heads)):
+        if name in given and (kind != LINEAR or _kept(name, given[name], heads, flow, modules)):
             styles[name], origin[name] = given[name]
         elif kind == LINEAR:
             styles[name] = "gather_output" if name in heads else "auto"
@@ -96,11 +97,13 @@ def infer_styles(kinds, given, flow: Flow | None, modules=None, n: int = 0):
     return styles, origin
 
 
-def _kept(given: tuple[str, str], head: bool) -> bool:
-    """Whether a given Linear style stays (see ``infer_styles``)."""
+def _kept(name: str, given: tuple[str, str], heads, flow: Flow | None, modules) -> bool:
+    """Whether a given Linear style stays (see ``infer_styles``): a model plan's gathered
+    Linear that is no model output stays gathered only where no column split fits how the
+    model cuts its output (Phi-3's grouped-query ``qkv_proj``)."""
     style, origin = given
-    if style in GATHERED and origin == "model plan" and not head:
-        return False
+    if style in GATHERED and origin == "model plan" and name not in heads:
+        return column_style(name, flow, modules, "auto") is None
     return style in KEPT_GIVEN
 
 
@@ -114,9 +117,12 @@ def splits_output(kind: str, style: str) -> bool:
     return not (kind == LINEAR and style in GATHERED)
 
 
-def splits_input(kind: str, style: str) -> bool:
-    """Every Linear and norm reads blocked activations, but a per-head norm (its last dim whole)."""
-    return kind in (LINEAR, NORM) and style != GRAD_SUMMED
+def splits_input(kind: str, style: str) -> bool | None:
+    """A norm reads blocked activations (a per-head norm its last dim whole); a Linear takes
+    them blocked or whole (it cuts a whole input itself: None)."""
+    if kind == NORM:
+        return style != GRAD_SUMMED
+    return None if kind == LINEAR else False
 
 
 def check_all_params_planned(plan: Plan, model: nn.Module) -> None:

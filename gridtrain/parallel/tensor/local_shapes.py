@@ -201,8 +201,8 @@ def _stand_ins(
     return out
 
 
-def _in_width(module: nn.Module, entry, spec: TensorMode, split: int) -> int | None:
-    """The last dim this rank's replacement of a Linear or norm takes (None: not checked)."""
+def _in_width(module: nn.Module, entry, spec: TensorMode, split: int) -> set[int] | None:
+    """The last dims this rank's replacement of a Linear or norm takes (None: not checked)."""
     if not entry.layer or spec.splits_input is None or entry.kind not in (LINEAR, NORM):
         return None
     if entry.kind == LINEAR:
@@ -212,20 +212,24 @@ def _in_width(module: nn.Module, entry, spec: TensorMode, split: int) -> int | N
         if kind is None:
             return None
         width = kind.hidden
-    return width // split if spec.splits_input(entry.kind, entry.style) else width
+    split_in = spec.splits_input(entry.kind, entry.style)
+    return (
+        {width // split} if split_in else {width} if split_in is False else {width, width // split}
+    )
 
 
-def _checked(forward: Callable, name: str, entry, width: int, what: str, mode: str) -> Callable:
-    """``forward``, refusing by name an input whose last dim is not ``width``: the layer that
-    feeds it leaves its output split where this one needs it whole, or the reverse."""
+def _checked(forward: Callable, name: str, entry, widths: set[int], what: str, mode: str):
+    """``forward``, refusing by name an input whose last dim is none of ``widths``: the layer
+    that feeds it leaves its output split where this one needs it whole, or the reverse."""
 
     def checked(x: Tensor, *args, **kwargs):
-        if isinstance(x, Tensor) and x.dim() and x.shape[-1] != width:
-            split = "split over " + what if x.shape[-1] < width else "whole"
+        if isinstance(x, Tensor) and x.dim() and x.shape[-1] not in widths:
+            split = "split over " + what if x.shape[-1] < max(widths) else "whole"
             raise PlanError(
                 f"'{name}' ({entry.kind}, style {entry.style!r}) takes inputs whose last dim is "
-                f"{width} on this rank under tensor mode {mode!r}, but gets {x.shape[-1]}: what feeds it arrives {split}; "
-                "give it and the layers before it matching styles in parallel.tensor.plan"
+                f"{' or '.join(map(str, sorted(widths)))} on this rank under tensor mode "
+                f"{mode!r}, but gets {x.shape[-1]}: what feeds it arrives {split}; give it and "
+                "the layers before it matching styles in parallel.tensor.plan"
             )
         return forward(x, *args, **kwargs)
 

@@ -69,8 +69,9 @@ class TensorMode:
     tie_alternatives: tuple[str, ...] = ()  # styles a tied Linear may take to match its twin
     head_split: Callable[[int, int], tuple[int, str]] = no_head_split  # (ways, group in words)
     splits_output: Callable[[str, str], bool] | None = None
-    # (kind, style) -> whether the replaced layer takes its input's last dim split; None: no check
-    splits_input: Callable[[str, str], bool] | None = None
+    # (kind, style) -> whether the replaced layer takes its input's last dim split (None: split
+    # or whole); the field None: not checked
+    splits_input: Callable[[str, str], bool | None] | None = None
     splits_weights: bool = False  # whether the coverage notice applies
     # (ctx) -> the context every forward of the model runs in; None: nothing around it
     forward_mode: Callable[[Any], AbstractContextManager] | None = None
