@@ -5,8 +5,8 @@
   ``3 * hidden / split`` features, so ``split_size`` (and ``num_heads``) become local.
   Phi-3 cuts its fused ``qkv_proj`` output at the dense query width, so its attention
   modules get local head counts too. Llama-family attention reshapes with ``-1`` heads
-  and needs nothing; any other attention that keeps its head counts as attributes (OPT's
-  ``num_heads``) gets this rank's where its projections are split (``localise_heads``):
+  and needs nothing; any other attention that keeps its head counts or head width as
+  attributes (OPT's ``num_heads``, XGLM's ``embed_dim``, Falcon's ``num_kv_heads``) gets this rank's where its projections are split (``localise_heads``):
   the planner's run on this rank's shapes checks the result before any weight moves.
 * ``gt.lazy_init()`` builds the model on meta; the engine then allocates each rank's
   shards and re-runs ``reset_parameters``. HF modules without one (``Conv1D``,
@@ -74,26 +74,40 @@ def localise_phi3_heads(model: nn.Module, packed: set[str], split: int, undo: Un
             set_undoable(undo, module, "config", local)
 
 
-# attributes an attention module may keep its (query or key/value) head counts in
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads")
+# attributes an attention module may keep its (query or key/value) head counts, or the width
+# of all its heads, in
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+)
+WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size")
 
 
 def localise_heads(model: nn.Module, split_out: set[str], split: int, undo: Undo) -> None:
     """In every module with a direct child in ``split_out`` (the planned layers whose output
     stays split over the heads), head-count attributes equal to the config's query or
-    key/value head count become this rank's (``split`` ways)."""
+    key/value head count, and width attributes equal to all query heads' width, become this
+    rank's (``split`` ways)."""
     if split == 1:
         return
     cfg = model.config
-    counts = {getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)}
+    counts = {getattr(cfg, k, None) for k in ("num_attention_heads", "num_key_value_heads")}
+    counts.add(getattr(cfg, "num_kv_heads", None))
+    heads, head_dim = getattr(cfg, "num_attention_heads", None), getattr(cfg, "head_dim", None)
+    widths = {getattr(cfg, "hidden_size", None), heads * head_dim if heads and head_dim else None}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if not any(f"{prefix}{child}" in split_out for child, _ in module.named_children()):
             continue
-        for attr in HEAD_ATTRS:
-            value = getattr(module, attr, None)
-            if type(value) is int and value in counts and value % split == 0:
-                set_undoable(undo, module, attr, value // split)
+        for attrs, known in ((HEAD_ATTRS, counts), (WIDTH_ATTRS, widths)):
+            for attr in attrs:
+                value = getattr(module, attr, None)
+                if type(value) is int and value in known and value % split == 0:
+                    set_undoable(undo, module, attr, value // split)
 
 
 def give_reset_parameters(model: nn.Module) -> None:

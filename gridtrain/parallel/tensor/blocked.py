@@ -19,6 +19,7 @@ from gridtrain.parallel.tensor.dropout import dropout_factory
 from gridtrain.parallel.tensor.flow_rules import check_columns, column_style
 from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.grad_summed import GradSummed
+from gridtrain.parallel.tensor.norm import weightless_norm
 from gridtrain.parallel.tensor.plan import (
     ATTENTION,
     DROPOUT,
@@ -133,6 +134,7 @@ def check_all_params_planned(plan: Plan, model: nn.Module) -> None:
         if e.layer
         for p in model.get_submodule(name).parameters()
     }
+    _check_weightless_norms(plan, model)
     params = dict(model.named_parameters())
     loose = [n for n, p in params.items() if id(p) not in covered]
     if loose:
@@ -143,6 +145,20 @@ def check_all_params_planned(plan: Plan, model: nn.Module) -> None:
             f"nn.MultiheadAttention, gt.nn.PatchEmbedding); these do not: "
             f"{', '.join(loose[:8])}{more}. {_advice(model, params, loose)}"
         )
+
+
+def _check_weightless_norms(plan: Plan, model: nn.Module) -> None:
+    """A module normalising over the last dim with no weight and no width the planner can read
+    (``norm.weightless_norm``) would normalise each rank's block of the hidden dim alone."""
+    for name, module in model.named_modules():
+        if name not in plan.entries and weightless_norm(module):
+            raise PlanError(
+                f"'{name}' ({type(module).__name__}) normalises over the last dim with no weight "
+                f"and no normalized_shape, so gridtrain cannot tell its width; under tensor mode "
+                f"{plan.mode!r} each rank holds a block of the hidden dim and it would normalise "
+                "each block alone: use tensor mode '1d' or 'sequence', or give it a "
+                "normalized_shape"
+            )
 
 
 def _advice(model: nn.Module, params: dict, loose: list[str]) -> str:

@@ -48,13 +48,40 @@ def norm_kind(module: nn.Module) -> NormKind | None:
     """The norm ``module`` computes over its last dim (module docstring), or None."""
     if module in _KINDS:
         return _KINDS[module]
-    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+    if type(module) in (nn.LayerNorm, nn.RMSNorm) or _torch_forward(module):
         kind = _torch_kind(module)
-    else:
+    else:  # any other module, subclasses of torch's norms with their own forward included
         shape = _norm_shape(module)
         kind = None if shape is None else _probed(module, *shape)
     _KINDS[module] = kind
     return kind
+
+
+def _torch_forward(module: nn.Module) -> bool:
+    """A subclass of torch's norms that keeps torch's forward (Nemotron's ``LayerNorm1P``
+    scales by ``1 + weight`` in its own, and is probed)."""
+    return (isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward) or (
+        isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward
+    )
+
+
+def weightless_norm(module: nn.Module) -> bool:
+    """Whether ``module``, with no parameters and no known width (NanoChat's RMS norm: an
+    ``eps`` and ``F.rms_norm``-like code), normalises its input over the last dim."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.children()):
+        return False
+    if _eps_attr(module) is None or getattr(module, "normalized_shape", None) is not None:
+        return False
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = copy.deepcopy(module).to(device="cpu")(x)
+    except Exception:  # noqa: BLE001 - no module that runs alone on one tensor: no norm
+        return False
+    if not isinstance(y, Tensor) or y.shape != x.shape:
+        return False
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    return bool(torch.allclose(y.double() * rms, x, rtol=1e-3, atol=1e-3))
 
 
 def _torch_kind(module: nn.LayerNorm | nn.RMSNorm) -> NormKind | None:

@@ -26,6 +26,7 @@ from gridtrain.parallel.tensor.base import ShardedModule, describe_spec, linear_
 from gridtrain.parallel.tensor.coverage import count_sharded
 from gridtrain.parallel.tensor.entry_input import infer_example
 from gridtrain.parallel.tensor.flow_rules import head_norms, packed_blocks
+from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.local_shapes import check_local_shapes
 from gridtrain.parallel.tensor.norm import norm_offset
 from gridtrain.parallel.tensor.plan import (
@@ -169,7 +170,7 @@ def _add_entries(plan: Plan, spec: TensorMode, kinds, styles, origin, flow, modu
         style = styles[name]
         if style == "packed_colwise":
             options["packed"] = _packed_blocks(name, modules[name], flow)
-        if kind == NORM and spec.layer_for(name, kind, style, {})[0] is not None:
+        if kind == NORM and style != GRAD_SUMMED and spec.layer_for(name, kind, style, {})[0]:
             options.update(_norm_options(name, modules[name]))
         options.update(extra.get(name, {}))
         plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
