@@ -73,13 +73,14 @@ QUICK = [
 
 
 def families() -> list[str]:
-    """The swept model types: ``QUICK``, or with ``GT_SWEEP=all`` every causal LM class of
-    ``transformers`` but ``SKIPPED``."""
+    """The swept model types: ``QUICK``; with ``GT_SWEEP=all`` every causal LM class of
+    ``transformers`` but ``SKIPPED``; with ``GT_SWEEP=llama,opt`` those."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if os.environ.get("GT_SWEEP") != "all":
-        return QUICK
-    return [m for m in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if m not in SKIPPED]
+    which = os.environ.get("GT_SWEEP", "")
+    if which == "all":
+        return [m for m in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if m not in SKIPPED]
+    return which.split(",") if which else QUICK
 
 
 def lm_loss(out, labels):
@@ -208,11 +209,12 @@ def test_every_family(layout_name):
     assert not wrong, "\n".join(f"{f}: got {g!r}, expected {w!r}" for f, (g, w) in wrong.items())
 
 
-def main(which: str) -> None:
-    """Print every cell's verdict (``python tests/test_hf_sweep.py [all]``)."""
-    if which == "all":
-        os.environ["GT_SWEEP"] = "all"
-    for layout_name in LAYOUTS:
+def main(which: str, layouts: str) -> None:
+    """Print every cell's verdict: ``python tests/test_hf_sweep.py [all|FAMILY,...]
+    [LAYOUT,...]``."""
+    if which != "quick":
+        os.environ["GT_SWEEP"] = which
+    for layout_name in layouts.split(","):
         start = time.perf_counter()
         layout(layout_name)
         print(f"# {layout_name}: {time.perf_counter() - start:.1f} s", flush=True)
@@ -225,4 +227,4 @@ def main(which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "quick")
+    main(*sys.argv[1:], *("quick", ",".join(LAYOUTS))[len(sys.argv) - 1 :])

@@ -77,11 +77,15 @@ def infer_styles(kinds, given, flow: Flow | None, modules=None, n: int = 0):
     blocks), its classifier for a model output, defaults elsewhere. A model plan's gathered
     Linear that is no model output (OLMo2's q/k/v under 1d) is the mode's Linear here where a
     column split fits its output: every activation is blocked, and what reads it (a norm
-    over q) expects it so."""
+    over q) expects it so. A model plan's embedding split (Cohere's ``embedding_rowwise``)
+    is 1d's: here the default, so a tied head keeps its logits whole."""
     styles, origin = {}, {}
     heads = flow.output_sources if flow else set()
     for name, kind in kinds.items():
-        if name in given and (kind != LINEAR or _kept(name, given[name], heads, flow, modules)):
+        model_vocab = kind == EMBEDDING and given.get(name, ("", ""))[1] == "model plan"
+        if model_vocab:  # a model plan's vocabulary split would split the tied head's logits
+            styles[name], origin[name] = _DEFAULTS[kind], "default (model plan's split is 1d's)"
+        elif name in given and (kind != LINEAR or _kept(name, given[name], heads, flow, modules)):
             styles[name], origin[name] = given[name]
         elif kind == LINEAR:
             styles[name] = "gather_output" if name in heads else "auto"
