@@ -6,7 +6,7 @@
   Phi-3 cuts its fused ``qkv_proj`` output at the dense query width, so its attention
   modules get local head counts too. Llama-family attention reshapes with ``-1`` heads
   and needs nothing; any other attention that keeps its head counts or head width as
-  attributes (OPT's ``num_heads``, XGLM's ``embed_dim``, Falcon's ``num_kv_heads``) gets this rank's where its projections are split (``localise_heads``):
+  attributes (OPT's ``num_heads``, Falcon's ``num_kv_heads``, OpenAI GPT's ``split_size``) gets this rank's where its projections are split (``localise_heads``):
   the planner's run on this rank's shapes checks the result before any weight moves.
 * ``gt.lazy_init()`` builds the model on meta; the engine then allocates each rank's
   shards and re-runs ``reset_parameters``. HF modules without one (``Conv1D``,
@@ -84,7 +84,9 @@ HEAD_ATTRS = (
     "num_key_value_heads",
     "num_kv_heads",
 )
-WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size")
+# the width the model cuts a fused [q | k | v] output at (OpenAI GPT's split_size); never a
+# width used otherwise (CodeGen's embed_dim // mp_num: localising it regroups the blocks)
+WIDTH_ATTRS = ("split_size",)
 
 
 def localise_heads(model: nn.Module, split_out: set[str], split: int, undo: Undo) -> None:
@@ -95,10 +97,11 @@ def localise_heads(model: nn.Module, split_out: set[str], split: int, undo: Undo
     if split == 1:
         return
     cfg = model.config
-    counts = {getattr(cfg, k, None) for k in ("num_attention_heads", "num_key_value_heads")}
-    counts.add(getattr(cfg, "num_kv_heads", None))
-    heads, head_dim = getattr(cfg, "num_attention_heads", None), getattr(cfg, "head_dim", None)
-    widths = {getattr(cfg, "hidden_size", None), heads * head_dim if heads and head_dim else None}
+    counts = {
+        _setting(cfg, k) for k in ("num_attention_heads", "num_key_value_heads", "num_kv_heads")
+    }
+    heads, head_dim = _setting(cfg, "num_attention_heads"), _setting(cfg, "head_dim")
+    widths = {_setting(cfg, "hidden_size"), heads * head_dim if heads and head_dim else None}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if not any(f"{prefix}{child}" in split_out for child, _ in module.named_children()):
@@ -108,6 +111,15 @@ def localise_heads(model: nn.Module, split_out: set[str], split: int, undo: Undo
                 value = getattr(module, attr, None)
                 if type(value) is int and value in known and value % split == 0:
                     set_undoable(undo, module, attr, value // split)
+
+
+def _setting(cfg, key: str) -> int | None:
+    """``cfg.key`` where it is one int for the whole model (a per-layer one raises: None)."""
+    try:
+        value = getattr(cfg, key, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer settings refuse a global read
+        return None
+    return value if type(value) is int else None
 
 
 def give_reset_parameters(model: nn.Module) -> None:

@@ -157,9 +157,30 @@ REASONS = [
     ("a fused projection", "fused projection packing unseen"),
     ("mixed with replicated", "split and whole inputs mixed"),
     ("reads replicated outputs", "split and whole inputs mixed"),
+    ("would train them on its part alone", "parameters on split activations"),
     ("AttentionInterface", "no attention interface"),
-    ("pipeline", "no pipeline plan"),
+    ("gridtrain hands fused experts", "experts' forward signature"),
+    ("cannot be applied under sequence parallelism", "a mask ring attention cannot apply"),
+    ("no pipeline plan", "no pipeline plan"),
 ]
 
 # family -> {layout: reason} for every refused cell; any other cell must equal one process
 EXPECTED: dict[str, dict[str, str]] = {}
+
+# family -> {layout: why}: cells that fail for a defect outside the tensor planner (issue 32
+# items 1 and 2, the pipeline and sequence code); reported by ``main``, not asserted
+KNOWN: dict[str, dict[str, str]] = {
+    "flint": {"seq2": "silently wrong: ring attention drops its attention sinks"},
+    "granite_swa": {"seq2": "silently wrong: ring attention drops its attention sinks"},
+    "granitemoe_swa": {"seq2": "silently wrong: ring attention drops its attention sinks"},
+    "mimo_v2_flash": {"seq2": "silently wrong: ring attention drops its attention sinks"},
+    "minimax": {
+        "seq2": "silently wrong: its linear-attention layers see this rank's positions only"
+    },
+    "phimoe": {"seq2": "silently wrong under ring attention (cause not isolated)"},
+    "dory": {"seq2": "fails at the first step under ring attention, not at initialize"},
+    "llama4_text": {"seq2": "fails at the first step under ring attention, not at initialize"},
+    "qwen2_moe": {"seq2": "fails at the first step under ring attention, not at initialize"},
+    "hrm_text": {"pp2": "fails at initialize with AttributeError (its _pp_plan names no layers)"},
+    "gemma4_unified_text": {"pp2": "equal, but one stage holds 0.96 of the parameters"},
+}

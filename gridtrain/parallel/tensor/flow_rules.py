@@ -8,12 +8,17 @@ per-head norms. Every mode applies these rules, whoever gave the style.
   output cut into unequal blocks (Phi-3's grouped-query ``qkv_proj``), a plain split of a
   packed one, and a fused projection (one Linear feeding two of an attention's query, key and
   value) whose packing the trace did not see.
+* **Loose parameters** (``check_loose_params``): a module the plan leaves whole that holds
+  parameters of its own and reads a split output (Apertus's ``XIELU`` activation after a
+  column-parallel ``up_proj``) would train them on each rank's part alone: refused by name.
 * **Per-head norms.** A norm narrower than the Linear output it reads normalises each head
   (Qwen3's and OLMo-style ``q_norm`` over ``head_dim``): ``head_norms`` gives it
   ``replicated_with_grad_allreduce`` (weight whole, gradient summed where the heads are split).
 """
 
 from __future__ import annotations
+
+from torch import nn
 
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.cuts import Cut, packing
@@ -106,3 +111,32 @@ def _cut_error(name: str, style: str, cut: Cut | None, k: int | None) -> str:
         "colwise_gather_output in parallel.tensor.plan) or use a layout without tensor "
         "splitting for this model"
     )
+
+
+def loose_modules(model: nn.Module, kinds: dict[str, str]) -> tuple[str, ...]:
+    """Modules outside the tracked layers that hold parameters of their own (not the root)."""
+    out = []
+    for name, module in model.named_modules():
+        inside = any(name == t or name.startswith(t + ".") for t in kinds)
+        if name and not inside and any(True for _ in module.parameters(recurse=False)):
+            out.append(name)
+    return tuple(out)
+
+
+def check_loose_params(kinds, styles, flow: Flow | None, modules, spec) -> None:
+    """PlanError naming a loose module (``loose_modules``) that reads a Linear whose output
+    stays split under ``spec`` (module docstring)."""
+    if flow is None or spec.splits_output is None:
+        return
+    for name, srcs in flow.watched.items():
+        split = sorted(
+            s for s in srcs if kinds.get(s) == LINEAR and spec.splits_output(LINEAR, styles[s])
+        )
+        if split:
+            params = [n for n, _ in modules[name].named_parameters(recurse=False)]
+            raise PlanError(
+                f"'{name}' ({type(modules[name]).__name__}) holds parameters {params} and reads "
+                f"the split output of {split}: each rank would train them on its part alone; "
+                f"keep that output whole (colwise_gather_output in parallel.tensor.plan) or use "
+                f"tensor mode 'sequence' or a pipeline for this model"
+            )

@@ -25,7 +25,12 @@ from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import ShardedModule, describe_spec, linear_dims
 from gridtrain.parallel.tensor.coverage import count_sharded
 from gridtrain.parallel.tensor.entry_input import infer_example
-from gridtrain.parallel.tensor.flow_rules import head_norms, packed_blocks
+from gridtrain.parallel.tensor.flow_rules import (
+    check_loose_params,
+    head_norms,
+    loose_modules,
+    packed_blocks,
+)
 from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.local_shapes import check_local_shapes
 from gridtrain.parallel.tensor.norm import norm_offset
@@ -100,6 +105,7 @@ def build_plan(
         }
     if spec.check is not None:
         spec.check(plan, model)
+    check_loose_params(kinds, {m: e.style for m, e in plan.entries.items()}, flow, modules, spec)
     count_sharded(plan, model)
     with adapter.local_view(model, plan, ctx) if adapter is not None else nullcontext():
         check_local_shapes(model, example, plan, flow, ctx)
@@ -115,8 +121,9 @@ def _trace(model, spec: TensorMode, kinds, given, example) -> tuple[Flow | None,
         example = _entry_example(model, spec.name, spec.needs_flow(kinds, given))
     if example is None:
         return None, None
+    how = {m: TRACE_HOW[k] for m, k in kinds.items()}
     try:
-        return trace_flow(model, example, {m: TRACE_HOW[k] for m, k in kinds.items()}), example
+        return trace_flow(model, example, how, loose_modules(model, kinds)), example
     except RuntimeError as err:  # the planner cannot plan what it cannot trace: a refusal
         raise PlanError(str(err)) from err.__cause__
 

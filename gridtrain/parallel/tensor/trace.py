@@ -59,6 +59,8 @@ class Flow:
     output_sources: set[str] = field(default_factory=set)  # SELF-layers reaching the output
     attention: list[AttentionCall] = field(default_factory=list)  # SDPA calls, in call order
     cuts: dict[str, Cut] = field(default_factory=dict)  # Linear -> how its output is cut
+    # watched (untracked) module -> the SELF-layers it reads; its output passes them on
+    watched: dict[str, set[str]] = field(default_factory=dict)
 
     def fused(self) -> dict[str, str]:
         """Linears whose one output feeds two or more of an attention's query, key and
@@ -120,10 +122,12 @@ def trace_flow(
     model: nn.Module,
     example: Any,
     tracked: dict[str, str],
+    watch: tuple[str, ...] = (),
 ) -> Flow:
     """Run ``model`` on ``example`` (args tuple, kwargs dict or one tensor) on meta.
 
-    ``tracked`` maps module path -> FRESH | PASS | SELF (how its output's sources are set).
+    ``tracked`` maps module path -> FRESH | PASS | SELF (how its output's sources are set);
+    ``watch``: other modules whose sources ``Flow.watched`` records.
     Raises RuntimeError (with the model's error) when the forward cannot run on meta.
     """
     flow, tagger, cuts = Flow(), _Tagger(), CutTracker()
@@ -151,10 +155,18 @@ def trace_flow(
 
         return hook
 
+    def seen(name: str) -> Callable:
+        def hook(module, args, kwargs):
+            flow.watched.setdefault(name, set()).update(tagger.sources_of((args, kwargs)))
+
+        return hook
+
     for name, how in tracked.items():
         module = modules[name]
         hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
         hooks.append(module.register_forward_hook(post(name, how), with_kwargs=True))
+    for name in watch:
+        hooks.append(modules[name].register_forward_pre_hook(seen(name), with_kwargs=True))
     opaque = {name: first_input_shape for name, how in tracked.items() if how == OPAQUE}
     recorder = AttentionRecorder(model, tagger)
     try:
