@@ -114,11 +114,15 @@ def _cut_error(name: str, style: str, cut: Cut | None, k: int | None) -> str:
 
 
 def loose_modules(model: nn.Module, kinds: dict[str, str]) -> tuple[str, ...]:
-    """Modules outside the tracked layers that hold parameters of their own (not the root)."""
+    """Modules outside the tracked layers that hold parameters of their own (not the root, and
+    not aliases of a tracked layer's: BERT's ``cls.predictions.bias`` is its decoder's)."""
+    modules = dict(model.named_modules())
+    tracked = {id(p) for name in kinds for p in modules[name].parameters()}
     out = []
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         inside = any(name == t or name.startswith(t + ".") for t in kinds)
-        if name and not inside and any(True for _ in module.parameters(recurse=False)):
+        own = [p for p in module.parameters(recurse=False) if id(p) not in tracked]
+        if name and not inside and own:
             out.append(name)
     return tuple(out)
 
