@@ -309,17 +309,12 @@ EXPECTED: dict[str, dict[str, str]] = {
 # family -> {layout: why}: cells that fail for a defect outside the tensor planner (issue 32
 # items 1 and 2, the pipeline and sequence code); reported by ``main``, not asserted
 KNOWN: dict[str, dict[str, str]] = {
-    "flint": {"seq2": "silently wrong: ring attention drops its attention sinks"},
-    "granite_swa": {"seq2": "silently wrong: ring attention drops its attention sinks"},
-    "granitemoe_swa": {"seq2": "silently wrong: ring attention drops its attention sinks"},
-    "mimo_v2_flash": {"seq2": "silently wrong: ring attention drops its attention sinks"},
     "minimax": {
         "seq2": "silently wrong: its linear-attention layers see this rank's positions only"
     },
     "phimoe": {"seq2": "silently wrong under ring attention (cause not isolated)"},
     "dory": {"seq2": "fails at the first step under ring attention, not at initialize"},
     "llama4_text": {"seq2": "fails at the first step under ring attention, not at initialize"},
-    "qwen2_moe": {"seq2": "fails at the first step under ring attention, not at initialize"},
     "hrm_text": {"pp2": "fails at initialize with AttributeError (its _pp_plan names no layers)"},
     "gemma4_unified_text": {"pp2": "equal, but one stage holds 0.96 of the parameters"},
 }
