@@ -64,6 +64,8 @@ def install() -> None:
     previous = sys.excepthook
 
     def record(kind, value, tb):
+        if where is not None and issubclass(kind, KeyboardInterrupt):
+            return  # gridtrain run passed on a Ctrl-C: the agent says so once for the job
         try:
             printed, filed = _report(kind, value, tb, where)
         except Exception:  # noqa: BLE001 - reporting must never hide the error itself

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gridtrain import failure_record
+from gridtrain import children, failure_record
 from gridtrain.config import CONFIG_ENV, MAX_SEED, MAX_TIMEOUT_S, Config, ConfigError, quote
 from gridtrain.parallel.context import ParallelContext, set_context
 from gridtrain.parallel.gloo_threads import wait_for_idle_workers
@@ -202,6 +202,15 @@ def bind_loopback(host: str, port: int) -> int:
     return sock.detach()
 
 
+def bound_port(fd: int) -> int:
+    """The port of the listening socket ``fd`` (``bind_loopback`` with port 0 picks one)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        return sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
 def _env_int(*names: str) -> int:
     for name in names:
         if name in os.environ:
@@ -254,6 +263,7 @@ def launch_from_torch(
     failing or stuck rank prints.
     """
     failure_record.install()
+    children.install()  # its DataLoader workers die with it, as it dies with the launcher
     rank, world_size, host, port, local_rank = _torch_env()
     return launch(
         _config_from_env(config, rank),

@@ -258,6 +258,8 @@ def test_dry_run_prints_the_local_command(files, no_process, capsys):
         f"{CONFIG_ENV}={files / 'config.py'} {sys.executable} -m gridtrain.cli.agent"
     )
     assert "--nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr 127.0.0.1" in out
+    # port 0: the launcher binds a free one and keeps it (no window for another process)
+    assert "--master_port 0 --" in out
 
 
 def test_signal_exit_codes_follow_the_shell():

@@ -1,5 +1,5 @@
 """``python -m gridtrain.cli.agent ARGS``: torch's elastic launcher (``torch.distributed.run ARGS``)
-with four changes.
+with these changes.
 
 - The rendezvous store listens on loopback only when the whole job is on this machine.
   torch's TCPStore server listens on every interface whatever ``--master_addr`` says. For a
@@ -12,12 +12,16 @@ with four changes.
   other rank, the rank that never arrived in a hang) instead of torch's per-rank failure
   table; the worker processes' own bookkeeping goes in a temporary report directory. A
   signal passed on by ``gridtrain run`` ends it with one line, not torch's traceback.
+- Workers are stopped by ``_stop_workers``: a Ctrl-C reaches them as SIGTERM (prompt and
+  quiet), a frozen (SIGSTOP) worker is resumed to take it and reported as stopped.
+- Port 0 (``gridtrain run`` on one machine): the store binds a free port and keeps it.
 - ``OPTIONS -- SCRIPT ARGS`` (how ``gridtrain run`` calls it): only ``OPTIONS SCRIPT`` is
   parsed, ARGS go to the script untouched (torchrun would read ``--d 256`` as its own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -36,18 +41,21 @@ from gridtrain.cli import failures
 from gridtrain.cli.argv import after_separator
 from gridtrain.cli.procs import die_with_parent
 from gridtrain.failure_record import REPORT_DIR
-from gridtrain.launch import bind_loopback, is_loopback
+from gridtrain.launch import bind_loopback, bound_port, is_loopback
 
 _KEEP: list[object] = []  # the pre-bound store must outlive the rendezvous (a weak cache)
 
 
 def bind_store_to_loopback(args) -> bool:
     """Host the agent's store on loopback if ``args`` (torchrun's, parsed) is a one-node run
-    on a loopback address; returns whether it did."""
+    on a loopback address; returns whether it did. Port 0: a free one, written back into
+    ``args`` (the workers' MASTER_PORT)."""
     local = str(args.nnodes) in ("1", "1:1") and args.rdzv_backend == "static"
     if args.standalone or not local or not is_loopback(args.master_addr):
         return False
     fd = bind_loopback(args.master_addr, args.master_port)
+    if args.master_port == 0:  # gridtrain run's "any free port": the one just bound
+        args.master_port = bound_port(fd)
     _KEEP.append(
         dist.TCPStore(
             args.master_addr,
@@ -78,6 +86,42 @@ def _workers_die_with_agent(config_from_args):
     return wrapped
 
 
+def _stop_workers(shutdown, report_dir: Path):
+    """``LocalElasticAgent._shutdown`` with two changes.
+
+    - Workers that are stopped (SIGSTOP, Ctrl-Z, a debugger: process state T) are noted in
+      the report directory and resumed (SIGCONT), so they take the SIGTERM (their stack is
+      dumped) instead of being killed by SIGKILL 30 s later and reported as crashed
+      (``failures.FROZEN``).
+    - A SIGINT passed on by ``gridtrain run`` (Ctrl-C) reaches the workers as SIGTERM: a
+      worker inside a C++ call (a rendezvous, a collective) sees SIGINT only when the call
+      returns, and then every rank prints a KeyboardInterrupt traceback; SIGTERM ends it at
+      once, and quietly (its stack goes to the report directory).
+    """
+
+    def wrapped(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        with contextlib.suppress(Exception):  # never in the way of stopping the workers
+            group = self._worker_group
+            attempt = group.spec.max_restarts - self._remaining_restarts
+            where = report_dir / f"attempt_{attempt}"
+            for local_rank, pid in (self._pcontext.pids() if self._pcontext else {}).items():
+                if _state(pid) in ("T", "t"):
+                    where.mkdir(parents=True, exist_ok=True)
+                    rank = group.workers[local_rank].global_rank
+                    (where / f"rank_{rank}{failures.FROZEN}").touch()
+                    os.kill(pid, signal.SIGCONT)
+        if death_sig == signal.SIGINT:
+            death_sig = signal.SIGTERM
+        return shutdown(self, death_sig, timeout)
+
+    return wrapped
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
 def _torchrun_args(argv: list[str]):
     """torchrun's parsed arguments; from ``gridtrain run`` (``OPTIONS -- SCRIPT ARGS``) only
     ``OPTIONS SCRIPT`` is parsed and ARGS reach the script as they are (``cli/argv``)."""
@@ -98,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("torch.distributed.elastic.multiprocessing", f"{ChildFailedError.__module__}"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
     torchrun.config_from_args = _workers_die_with_agent(torchrun.config_from_args)
+    LocalElasticAgent._shutdown = _stop_workers(LocalElasticAgent._shutdown, Path(report_dir))
     try:
         args = _torchrun_args(argv)
         bind_store_to_loopback(args)

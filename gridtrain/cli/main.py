@@ -49,10 +49,21 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"gridtrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in commands or COMMANDS:
         importlib.import_module(COMMANDS[name]).add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (``pip install -e .`` included)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gridtrain")
+    except PackageNotFoundError:
+        return "(not installed: run from a checkout)"
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -252,8 +252,12 @@ def _on_this_machine(args: argparse.Namespace, spec: RunSpec) -> None:
     spec.master_addr = args.master_addr or "127.0.0.1"
     if args.master_port is not None:
         spec.master_port = args.master_port
+    elif spec.nnodes == 1 and args.rdzv_backend in (None, "static"):
+        # 0: the agent binds a free port itself and keeps it (cli/agent), so no other process
+        # can take it between a choice here and the bind there
+        spec.master_port = 0
     elif spec.nnodes == 1:
-        spec.master_port = _free_port()  # like torchrun --standalone: no clash with other jobs
+        spec.master_port = _free_port()  # an endpoint torch's rendezvous binds by itself
 
 
 def _elastic_args(args: argparse.Namespace, spec: RunSpec) -> list[str]:
