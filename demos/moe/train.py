@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -46,17 +45,22 @@ def parse_args() -> argparse.Namespace:
 
 
 def launch(args) -> gt.ParallelContext:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        ctx = gt.launch_from_torch(config=args.config)
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        config = args.config or str(HERE / "configs" / "ep1.py")
-        ctx = gt.launch(config, rank=0, world_size=1, host="127.0.0.1", port=port)
+    direct = "RANK" not in os.environ  # `python demos/moe/train.py`: one process
+    config = args.config or (str(HERE / "configs" / "ep1.py") if direct else None)
+    ctx = gt.launch_from_torch(config=config)
     level = logging.INFO if ctx.global_rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if direct and "OMP_NUM_THREADS" not in os.environ:
+        logger.info(THREADS_NOTICE, torch.get_num_threads())
     return ctx
+
+
+# run directly, the one process does every rank's work with torch's default thread count,
+# which on a machine shared with other jobs can be far slower than gridtrain run's processes
+THREADS_NOTICE = (
+    "one process with torch's default of %d threads (OMP_NUM_THREADS unset); gridtrain run "
+    "gives each of several processes 1 thread: set OMP_NUM_THREADS to choose"
+)
 
 
 def model_config(cfg, in_chans: int = 3) -> WideNetConfig:
