@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from gridtrain.children import WorkerInit
 from gridtrain.parallel.context import ParallelContext, get_context, has_context
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.registry import split_batch
@@ -74,6 +75,8 @@ def get_dataloader(
     if ctx is not None:
         _check_splits(len(sampler), batch_size, drop_last, ctx)
     kwargs.setdefault("generator", torch.Generator())
+    if kwargs.get("num_workers", 0):  # its workers die with this process (gridtrain.children)
+        kwargs["worker_init_fn"] = WorkerInit(kwargs.get("worker_init_fn"))
     return SeededLoader(
         dataset,
         batch_size=batch_size,

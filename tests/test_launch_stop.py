@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -109,3 +110,41 @@ def test_a_frozen_rank_is_reported_as_stopped(job_dir):
     assert "rank 0: timed out waiting for it" in out, out
     assert "SIGKILL" not in out, out
     assert took < 25, f"{took:.1f} s: timeout_s is 6, no 30 s wait for a SIGKILL"
+
+
+LOADER = """
+import os, sys, time
+import gridtrain as gt
+
+class Pids:
+    def __len__(self):
+        return 10**6
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+batches = iter(gt.data.get_dataloader(Pids(), 1, num_workers=1))
+print(int(next(batches)[0]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_get_dataloader_worker_dies_with_its_process(tmp_path):
+    """Without gridtrain run: the loader's own worker_init_fn sets the parent-death signal."""
+    proc = subprocess.Popen([sys.executable, "-c", LOADER], stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())
+    assert worker != proc.pid and os.path.exists(f"/proc/{worker}")
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 2  # torch's watchdog looks every 5 s
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the DataLoader worker outlived its process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
