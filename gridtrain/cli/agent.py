@@ -13,7 +13,7 @@ with these changes.
   table; the worker processes' own bookkeeping goes in a temporary report directory. A
   signal passed on by ``gridtrain run`` ends it with one line, not torch's traceback.
 - Workers are stopped by ``_stop_workers``: a Ctrl-C reaches them as SIGTERM (prompt and
-  quiet), a frozen (SIGSTOP) worker is resumed to take it and reported as stopped.
+  quiet).
 - Port 0 (``gridtrain run`` on one machine): the store binds a free port and keeps it.
 - ``OPTIONS -- SCRIPT ARGS`` (how ``gridtrain run`` calls it): only ``OPTIONS SCRIPT`` is
   parsed, ARGS go to the script untouched (torchrun would read ``--d 256`` as its own).
@@ -21,7 +21,6 @@ with these changes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -86,30 +85,14 @@ def _workers_die_with_agent(config_from_args):
     return wrapped
 
 
-def _stop_workers(shutdown, report_dir: Path):
-    """``LocalElasticAgent._shutdown`` with two changes.
-
-    - Workers that are stopped (SIGSTOP, Ctrl-Z, a debugger: process state T) are noted in
-      the report directory and resumed (SIGCONT), so they take the SIGTERM (their stack is
-      dumped) instead of being killed by SIGKILL 30 s later and reported as crashed
-      (``failures.FROZEN``).
-    - A SIGINT passed on by ``gridtrain run`` (Ctrl-C) reaches the workers as SIGTERM: a
-      worker inside a C++ call (a rendezvous, a collective) sees SIGINT only when the call
-      returns, and then every rank prints a KeyboardInterrupt traceback; SIGTERM ends it at
-      once, and quietly (its stack goes to the report directory).
-    """
+def _stop_workers(shutdown):
+    """``LocalElasticAgent._shutdown``, a SIGINT passed on by ``gridtrain run`` (Ctrl-C)
+    sent to the workers as SIGTERM: a worker inside a C++ call (a rendezvous, a collective)
+    sees SIGINT only when the call returns (it took 31.8 s, until torch's SIGKILL), and then
+    every rank prints a KeyboardInterrupt traceback; SIGTERM ends it at once, and quietly
+    (its stack goes to the report directory)."""
 
     def wrapped(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        with contextlib.suppress(Exception):  # never in the way of stopping the workers
-            group = self._worker_group
-            attempt = group.spec.max_restarts - self._remaining_restarts
-            where = report_dir / f"attempt_{attempt}"
-            for local_rank, pid in (self._pcontext.pids() if self._pcontext else {}).items():
-                if _state(pid) in ("T", "t"):
-                    where.mkdir(parents=True, exist_ok=True)
-                    rank = group.workers[local_rank].global_rank
-                    (where / f"rank_{rank}{failures.FROZEN}").touch()
-                    os.kill(pid, signal.SIGCONT)
         if death_sig == signal.SIGINT:
             death_sig = signal.SIGTERM
         return shutdown(self, death_sig, timeout)
@@ -117,9 +100,12 @@ def _stop_workers(shutdown, report_dir: Path):
     return wrapped
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+class _DropDeathSignalNotice(logging.Filter):
+    """torch's "Received 2 death signal, shutting down workers": the agent's own line
+    (``stopped by SIGINT``) says it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Received %s death signal")
 
 
 def _torchrun_args(argv: list[str]):
@@ -142,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("torch.distributed.elastic.multiprocessing", f"{ChildFailedError.__module__}"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
     torchrun.config_from_args = _workers_die_with_agent(torchrun.config_from_args)
-    LocalElasticAgent._shutdown = _stop_workers(LocalElasticAgent._shutdown, Path(report_dir))
+    LocalElasticAgent._shutdown = _stop_workers(LocalElasticAgent._shutdown)
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        _DropDeathSignalNotice()
+    )
     try:
         args = _torchrun_args(argv)
         bind_store_to_loopback(args)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FROZEN = ".frozen"  # rank_N.frozen: the agent found rank N stopped (cli/agent)
 CRASHES = {"SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL", "SIGKILL"}
 # frames of a rank waiting for its peers: torch's collectives, and gridtrain's wrappers of them
 WAITING = ("torch/distributed/", "gridtrain/parallel/comm.py")
@@ -132,36 +131,6 @@ def _hang(ends: dict[int, RankEnd], stacks: dict[int, str]) -> list[str] | None:
     return lines
 
 
-def _frozen(report_dir: Path) -> list[int]:
-    """Ranks of the last attempt that the agent found stopped (state T) when it ended them."""
-    attempts = sorted(report_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    if not attempts:
-        return []
-    return sorted(int(p.name[len("rank_") : -len(FROZEN)]) for p in attempts[-1].glob(f"*{FROZEN}"))
-
-
-def _frozen_report(frozen: list[int], ends: dict[int, RankEnd], stacks: dict[int, str]) -> str:
-    """A job ended because rank(s) were stopped (SIGSTOP, Ctrl-Z, a debugger): say that, not
-    the SIGKILL or timeout it led to."""
-    first = frozen[0]
-    frames = main_thread(stacks.get(first, ""))
-    lines = [
-        f"rank {first} was stopped (process state T: SIGSTOP, Ctrl-Z or a debugger) and did "
-        "not respond; the job ended" + (", it was here, most recent call first:" if frames else "")
-    ]
-    lines += [f"  {frame}" for frame in frames]
-    for r in sorted(ends):
-        if r == first:
-            continue
-        if r in frozen:
-            lines.append(f"rank {r}: was stopped too")
-        elif ends[r].kind == "timeout":
-            lines.append(f"rank {r}: timed out waiting for it (timeout_s)")
-        else:
-            lines.append(f"rank {r}: stopped after rank {first} stopped responding")
-    return "\n".join(lines)
-
-
 def summarize(failures: dict[int, Any], report_dir: Path) -> str:
     """The failed job's report: ``failures`` from torch's ``ChildFailedError``, stacks from
     ``report_dir``. Empty when the ranks that failed exited with a code of their own choosing
@@ -170,9 +139,6 @@ def summarize(failures: dict[int, Any], report_dir: Path) -> str:
     ends = {r: _end_of(r, f) for r, f in failures.items()}
     for r in stacks:  # alive when the agent stopped the job
         ends.setdefault(r, RankEnd(r, "stopped", int(time.time()), "SIGTERM"))
-    frozen = _frozen(report_dir)
-    if frozen:
-        return _frozen_report(frozen, ends, stacks)
     # the error a worker printed first, else the earliest (torch's timestamps: whole seconds)
     by_time = sorted(ends.values(), key=lambda e: (not e.printed, e.stamp, e.rank))
     real = [e for e in by_time if e.kind in ("error", "crash")]
