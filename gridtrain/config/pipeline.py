@@ -1,14 +1,17 @@
-"""``parallel.pipeline``: the pipeline stages, how the model is cut into them, and what the
-schedule needs from the other keys."""
+"""``parallel.pipeline``: the pipeline stages, how the model is cut into them, which schedule
+runs them, and what that schedule needs from the other keys."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gridtrain.config.limits import Count
 from gridtrain.config.section import Section
+
+ScheduleName = Literal["1f1b", "interleaved", "gpipe"]
+SCHEDULE_NAMES: tuple[str, ...] = ScheduleName.__args__  # the engine's table has these keys
 
 
 class PipelineConfig(Section):
@@ -16,7 +19,12 @@ class PipelineConfig(Section):
 
     size: Count = Field(1, description="number of pipeline stages")
     num_chunks: Count = Field(
-        1, description="model chunks per stage; > 1 selects the interleaved 1F1B schedule"
+        1, description="model chunks per stage; > 1 needs the interleaved schedule"
+    )
+    schedule: ScheduleName | None = Field(
+        None,
+        description="1f1b, interleaved (num_chunks > 1) or gpipe (all forwards, then all "
+        "backwards); None: interleaved when num_chunks > 1, else 1f1b",
     )
     partition: Literal["balanced", "parameters", "uniform"] = Field(
         "balanced", description="balance stages by parameters and compute, parameters, or layers"
@@ -30,13 +38,50 @@ class PipelineConfig(Section):
     def _list_is_tuple(cls, value: Any) -> Any:
         return tuple(value) if isinstance(value, list) else value  # YAML has no tuples
 
+    @model_validator(mode="after")
+    def _schedule_fits_chunks(self) -> PipelineConfig:
+        check_schedule(self.schedule, self.num_chunks)
+        return self
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule that runs: ``schedule``, or by default interleaved when
+        ``num_chunks > 1`` and 1f1b otherwise."""
+        if self.schedule is not None:
+            return self.schedule
+        return "interleaved" if self.num_chunks > 1 else "1f1b"
+
     def check_microbatches(self, num_microbatches: int | None) -> None:
-        """The interleaved schedule runs micro-batches in rounds of one per stage, so it needs
-        their number divisible by the pipeline size; raises ``ValueError`` otherwise."""
-        m = num_microbatches
-        if self.num_chunks > 1 and m is not None and m % self.size:
-            raise ValueError(  # the same words as engine.schedules.check_interleaved
-                f"the interleaved schedule (parallel.pipeline.num_chunks={self.num_chunks}) "
-                "needs num_microbatches divisible by the pipeline size: num_microbatches "
-                f"{m} % pipeline {self.size} != 0"
-            )
+        """Raises ``ValueError`` when the schedule cannot run ``num_microbatches`` (None: not
+        known yet, nothing to check)."""
+        check_schedule(self.schedule, self.num_chunks)  # the keys may be set after loading
+        if num_microbatches is not None:
+            check_microbatches(self.schedule_name, num_microbatches, self.size, self.num_chunks)
+
+
+def check_schedule(schedule: str | None, num_chunks: int) -> None:
+    """Only the interleaved schedule runs several chunks per stage, and it needs them."""
+    if schedule is None or (schedule == "interleaved") == (num_chunks > 1):
+        return
+    need = "> 1" if schedule == "interleaved" else "= 1"
+    raise ValueError(
+        f"parallel.pipeline.schedule={schedule!r} needs parallel.pipeline.num_chunks {need}, "
+        f"got num_chunks={num_chunks}; schedules: {', '.join(SCHEDULE_NAMES)} "
+        "(interleaved for num_chunks > 1, the others for num_chunks = 1, None picks by "
+        "num_chunks)"
+    )
+
+
+def check_microbatches(schedule: str, num_microbatches: int, pipeline_size: int, num_chunks: int):
+    """The one micro-batch check: ``num_microbatches >= 1``, and the interleaved schedule runs
+    micro-batches in rounds of one per stage, so it needs their number divisible by the
+    pipeline size. Raises ``ValueError``; checked at config load and by the schedule itself."""
+    m = num_microbatches
+    if m < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {m}")
+    if schedule == "interleaved" and m % pipeline_size:
+        raise ValueError(
+            f"the interleaved schedule (parallel.pipeline.num_chunks={num_chunks}) needs "
+            f"num_microbatches divisible by the pipeline size: num_microbatches "
+            f"{m} % pipeline {pipeline_size} != 0"
+        )

@@ -10,11 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gridtrain.config import ConfigError
-from gridtrain.engine.schedules import (
-    InterleavedPipelineSchedule,
-    PipelineSchedule,
-    check_interleaved,
-)
+from gridtrain.engine.schedules import PipelineSchedule, pipeline_schedule
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
@@ -37,11 +33,10 @@ def check_pipeline_config(ctx: ParallelContext) -> tuple[int, int]:
             f"parallel.pipeline = {pipeline} needs num_microbatches in the config "
             f"(e.g. num_microbatches = {2 * pipeline})"
         )
-    if chunks > 1:
-        try:
-            check_interleaved(m, pipeline, chunks)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    try:  # checked at load; again here for keys set on the config after it
+        cfg.parallel.pipeline.check_microbatches(m)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return m, chunks
 
 
@@ -51,11 +46,11 @@ def prepare_pipeline(
     """Keep this rank's stage of ``model``; returns (stage module, optimizer, schedule).
 
     Called by ``gt.initialize`` on every rank when ``parallel.pipeline > 1``,
-    before amp wrapping and gradient handlers. The schedule is
-    ``InterleavedPipelineSchedule`` when ``parallel.pipeline.num_chunks > 1``, else
-    ``PipelineSchedule`` (1F1B). ``adapter``: the model library's (its pipeline layers).
+    before amp wrapping and gradient handlers. The schedule is the one
+    ``parallel.pipeline.schedule`` names in ``SCHEDULES`` (by default interleaved when
+    ``num_chunks > 1``, else 1F1B). ``adapter``: the model library's (its pipeline layers).
     """
-    m, chunks = check_pipeline_config(ctx)
+    _, chunks = check_pipeline_config(ctx)
     cfg = ctx.config.parallel.pipeline
     pipeline = ctx.world_size(ParallelMode.PIPELINE)
     on_meta = any(p.is_meta for p in model.parameters())
@@ -72,11 +67,7 @@ def prepare_pipeline(
     if on_meta:
         _sync_tied_from_first_stage(stage, ctx)
     optimizer = rebind_optimizer(optimizer, new_of, drop_missing=True)
-    if chunks > 1:
-        schedule = InterleavedPipelineSchedule(ctx, m, chunks, cfg.tensor_shape)
-    else:
-        schedule = PipelineSchedule(ctx, m, cfg.tensor_shape)
-    return stage, optimizer, schedule
+    return stage, optimizer, pipeline_schedule(ctx)
 
 
 @torch.no_grad()

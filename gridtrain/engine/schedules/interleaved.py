@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from gridtrain.engine.schedules.one_f_one_b import PipelineSchedule
+from gridtrain.engine.schedules.pipeline_step import PipelineStep
 from gridtrain.parallel.context import ParallelContext
-from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.pipeline.p2p import Payload
 
 
@@ -25,6 +25,8 @@ class InterleavedPipelineSchedule(PipelineSchedule):
     ``num_microbatches % pipeline_size == 0``.
     """
 
+    name = "interleaved"  # parallel.pipeline.schedule
+
     def __init__(
         self,
         ctx: ParallelContext,
@@ -34,10 +36,14 @@ class InterleavedPipelineSchedule(PipelineSchedule):
         dtype: torch.dtype = torch.float32,
         timing: bool = False,
     ):
-        p = ctx.world_size(ParallelMode.PIPELINE)
-        check_interleaved(num_microbatches, p, num_chunks)
+        self.num_chunks = num_chunks  # read by the micro-batch check in __init__
         super().__init__(ctx, num_microbatches, tensor_shape, dtype, timing)
-        self.num_chunks = num_chunks
+
+    @classmethod
+    def from_config(cls, ctx: ParallelContext) -> InterleavedPipelineSchedule:
+        cfg = ctx.config
+        pipeline = cfg.parallel.pipeline
+        return cls(ctx, cfg.num_microbatches, pipeline.num_chunks, pipeline.tensor_shape)
 
     def _num_chunks(self) -> int:
         return self.num_chunks
@@ -47,11 +53,11 @@ class InterleavedPipelineSchedule(PipelineSchedule):
         chunk = (k % (p * v)) // p
         return chunk if forward else v - chunk - 1
 
-    def _run(self, forward_only: bool) -> None:
-        run = _InterleavedRun(self, forward_only)
+    def _run(self, step: PipelineStep) -> None:
+        run = _InterleavedRun(self, step)
         run.warmup()
         run.steady()
-        if not forward_only:
+        if not step.forward_only:
             run.cooldown()
 
 
@@ -59,8 +65,9 @@ class _InterleavedRun:
     """One step of the interleaved schedule: per-chunk queues of inputs, outputs and output
     gradients, and the three phases (warm-up forwards, 1F1B, cool-down backwards)."""
 
-    def __init__(self, schedule: InterleavedPipelineSchedule, forward_only: bool):
-        self.s = schedule
+    def __init__(self, schedule: InterleavedPipelineSchedule, step: PipelineStep):
+        self.s, self.step = schedule, step
+        forward_only = step.forward_only
         p, v, stage = schedule.num_stages, schedule.num_chunks, schedule.stage
         self.p, self.v = p, v
         self.total = schedule.num_microbatches * v
@@ -89,7 +96,7 @@ class _InterleavedRun:
         chunk = self.chunk_of(k, forward=True)
         if self.s._is_first(chunk) and len(self.inputs[chunk]) == len(self.outputs[chunk]):
             self.inputs[chunk].append(None)
-        y = self.s._forward(self.inputs[chunk][-1], chunk)
+        y = self.s._forward(self.step, self.inputs[chunk][-1], chunk)
         self.outputs[chunk].append(y)
         return None if self.s._is_last(chunk) else y
 
@@ -98,7 +105,7 @@ class _InterleavedRun:
         if self.s._is_last(chunk) and not self.grads[chunk]:
             self.grads[chunk].append(None)
         x, y = self.inputs[chunk].pop(0), self.outputs[chunk].pop(0)
-        grad_x = self.s._backward(x, y, self.grads[chunk].pop(0), final=final)
+        grad_x = self.s._backward(self.step, x, y, self.grads[chunk].pop(0), final=final)
         return None if self.s._is_first(chunk) else grad_x
 
     def comm(self, fwd_chunk: int = 0, next_fwd: int = 0, **kw) -> tuple[Payload, Payload]:
@@ -178,13 +185,3 @@ class _InterleavedRun:
             like = self.like(next_bwd) if recv_next else None
             g = self.comm(send_prev=grad_x, recv_next_like=like)[1]
             self.grads[next_bwd].append(g)
-
-
-def check_interleaved(num_microbatches: int, pipeline_size: int, num_chunks: int) -> None:
-    """The interleaved schedule's constraint, checked before any communication."""
-    if num_microbatches % pipeline_size:
-        raise ValueError(
-            f"the interleaved schedule (parallel.pipeline.num_chunks={num_chunks}) needs "
-            f"num_microbatches divisible by the pipeline size: num_microbatches "
-            f"{num_microbatches} % pipeline {pipeline_size} != 0"
-        )

@@ -14,57 +14,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from gridtrain.config.pipeline import check_microbatches
 from gridtrain.engine.schedules.base import StepFunctions, check_flags, load_batch
+from gridtrain.engine.schedules.pipeline_step import PipelineStep, concat, micro_batches
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.pipeline.p2p import Payload, PipelineP2P, as_tuple, input_grads
 
 
-def _micro(x: Any, m: int, what: str) -> list[Any]:
-    """``m`` micro-batches of ``x`` (a tensor, a tuple/list or dict of tensors, or None)
-    along dim 0; a dict (Hugging Face's ``input_ids``, ``attention_mask``...) stays a dict."""
-    if x is None:
-        return [None] * m
-    if isinstance(x, dict):
-        parts = {k: _micro(v, m, f"{what}[{k!r}]") for k, v in x.items()}
-        return [{k: p[i] for k, p in parts.items()} for i in range(m)]
-    if isinstance(x, tuple | list):
-        parts = [_micro(t, m, what) for t in x]
-        return [tuple(p[i] for p in parts) for i in range(m)]
-    if not isinstance(x, Tensor):
-        raise TypeError(
-            f"pipeline {what} must be tensors (or tuples of them), got {type(x).__name__}"
-        )
-    if x.shape[0] % m:
-        raise ValueError(
-            f"batch size {x.shape[0]} (this rank's {what}) is not divisible by num_microbatches {m}"
-        )
-    return list(x.chunk(m, dim=0))
-
-
-def _cat(parts: list[Any]) -> Any:
-    if not parts or parts[0] is None:
-        return None
-    if isinstance(parts[0], Mapping):  # a dict or a Hugging Face ModelOutput
-        return type(parts[0])(**{k: _cat([p[k] for p in parts]) for k in parts[0]})
-    if isinstance(parts[0], tuple):
-        return tuple(_cat([p[i] for p in parts]) for i in range(len(parts[0])))
-    return torch.cat([p.detach() for p in parts], dim=0)
-
-
 class PipelineSchedule:
     """1F1B: warm-up forwards, then one forward / one backward, then cool-down backwards.
 
-    Each stage keeps at most ``pipeline_size - stage`` micro-batches' activations.
+    Each stage keeps at most ``pipeline_size - stage`` micro-batches' activations. The
+    schedule holds only its settings: what one step needs lives in a ``PipelineStep`` made
+    per ``run``. ``compute_s``: the last step's forward/backward seconds, measured when
+    ``timing`` (for benchmarks; never read back).
     """
+
+    name = "1f1b"  # parallel.pipeline.schedule
 
     def __init__(
         self,
@@ -74,15 +47,19 @@ class PipelineSchedule:
         dtype: torch.dtype = torch.float32,
         timing: bool = False,
     ):
-        if num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.ctx = ctx
         self.num_microbatches = num_microbatches
         self.num_stages = ctx.world_size(ParallelMode.PIPELINE)
         self.stage = ctx.local_rank(ParallelMode.PIPELINE)
+        check_microbatches(self.name, num_microbatches, self.num_stages, self._num_chunks())
         self.p2p = PipelineP2P(ctx, tensor_shape, dtype)
         self.timing = timing
-        self.compute_s = 0.0  # seconds of forward/backward compute in the last step (timing=True)
+        self.compute_s = 0.0
+
+    @classmethod
+    def from_config(cls, ctx: ParallelContext) -> PipelineSchedule:
+        """The schedule as ``ctx.config`` sets it (``num_microbatches``, ``parallel.pipeline``)."""
+        return cls(ctx, ctx.config.num_microbatches, ctx.config.parallel.pipeline.tensor_shape)
 
     # ---- one step ------------------------------------------------------------------------
     def run(
@@ -93,35 +70,39 @@ class PipelineSchedule:
         return_loss: bool = True,
         return_output_label: bool = True,
     ) -> tuple[Any, Any, Tensor | None]:
-        m = self.num_microbatches
         check_flags(forward_only, return_loss)
+        step = self._new_step(steps, data_iter, forward_only, return_loss, return_output_label)
+        self.p2p.new_step()  # activation shapes go once per step and stream, not per message
+        try:
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                self._run(step)
+        finally:
+            self.compute_s = step.compute_s
+        loss = self._reduce_loss(step) if return_loss else None
+        if return_output_label and self._is_last():
+            return concat(step.outputs), concat(step.labels), loss
+        return None, None, loss
+
+    def _new_step(self, steps, data_iter, forward_only, return_loss, keep) -> PipelineStep:
+        """This call's state: the batch split per tensor mode first (2d/2.5d/3d keep a slice
+        of it), then cut into micro-batches."""
+        m = self.num_microbatches
         data, label = load_batch(data_iter, self.ctx.device)
-        # split per tensor mode first (2d/2.5d/3d keep a slice of the batch), then micro-batch
-        self._inputs = _micro(steps.split(data), m, "inputs")
-        self._labels = _micro(steps.split(label), m, "labels")
-        steps.check_inputs(self._inputs[0])
-        self._steps = steps
-        self._forward_only = forward_only
-        self._need_loss = return_loss or not forward_only
-        self._losses: list[Tensor] = []
-        self._outputs: list[Any] = []
-        self._keep_outputs = return_output_label
-        self._fwd_count: dict[int, int] = {}
-        self.compute_s = 0.0
-        if self._need_loss and steps.loss is None:
+        inputs = micro_batches(steps.split(data), m, "inputs")
+        labels = micro_batches(steps.split(label), m, "labels")
+        steps.check_inputs(inputs[0])
+        need_loss = return_loss or not forward_only
+        if need_loss and steps.loss is None:
             raise ValueError(
                 "pipeline training needs a criterion: gt.initialize(..., criterion=...)"
             )
-        self.p2p.new_step()  # activation shapes go once per step and stream, not per message
-        with torch.no_grad() if forward_only else contextlib.nullcontext():
-            self._run(forward_only)
-        loss = self._reduce_loss() if return_loss else None
-        if return_output_label and self._is_last():
-            return _cat(self._outputs), _cat(self._labels), loss
-        return None, None, loss
+        return PipelineStep(
+            steps, inputs, labels, forward_only, need_loss, keep, timing=self.timing
+        )
 
-    def _run(self, forward_only: bool) -> None:
+    def _run(self, step: PipelineStep) -> None:
         m, p, stage = self.num_microbatches, self.num_stages, self.stage
+        forward_only = step.forward_only
         warmup = m if forward_only else min(p - stage - 1, m)
         remaining = m - warmup
         first, last = stage == 0, stage == p - 1
@@ -132,7 +113,7 @@ class PipelineSchedule:
         )
         for _ in range(warmup):
             x = None if first else comm(recv_prev=True)[0]
-            y = self._forward(x, chunk=0)
+            y = self._forward(step, x, chunk=0)
             if not last:
                 comm(send_next=y)
             if not forward_only:
@@ -141,14 +122,14 @@ class PipelineSchedule:
         x = None if first or not remaining else comm(recv_prev=True)[0]
         for i in range(remaining):
             is_last_iter = i == remaining - 1
-            y = self._forward(x, chunk=0)
+            y = self._forward(step, x, chunk=0)
             inputs.append(x)
             outputs.append(y)
             grad_y = None
             if not last:
                 grad_y = comm(send_next=y, recv_next_like=outputs[0])[1]
             x_b, y_b = inputs.pop(0), outputs.pop(0)
-            grad_x = self._backward(x_b, y_b, grad_y, final=is_last_iter and warmup == 0)
+            grad_x = self._backward(step, x_b, y_b, grad_y, final=is_last_iter and warmup == 0)
             if first:
                 x = None
             elif is_last_iter:
@@ -159,7 +140,7 @@ class PipelineSchedule:
             for i in range(warmup):
                 x_b, y_b = inputs.pop(0), outputs.pop(0)
                 grad_y = None if last else comm(recv_next_like=y_b)[1]
-                grad_x = self._backward(x_b, y_b, grad_y, final=i == warmup - 1)
+                grad_x = self._backward(step, x_b, y_b, grad_y, final=i == warmup - 1)
                 if not first:
                     comm(send_prev=grad_x)
 
@@ -183,44 +164,31 @@ class PipelineSchedule:
         """The activation stream ``chunk`` receives on: its own virtual stage."""
         return chunk * self.num_stages + self.stage
 
-    @contextlib.contextmanager
-    def _timed(self):
-        if not self.timing:
-            yield
-            return
-        sync = torch.cuda.synchronize if self.ctx.device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            sync()
-            self.compute_s += time.perf_counter() - start
-
-    def _forward(self, x: Payload, chunk: int) -> Payload:
+    def _forward(self, step: PipelineStep, x: Payload, chunk: int) -> Payload:
         """One micro-batch through one chunk; the last chunk returns the scaled loss."""
-        steps = self._steps
-        index = self._fwd_count.get(chunk, 0)
-        self._fwd_count[chunk] = index + 1
+        steps = step.steps
+        index = step.next_index(chunk)
         first = self._is_first(chunk)
-        data = self._inputs[index] if first else as_tuple(x)
-        with self._timed():
-            out = steps.forward(data, chunk, None if first else self._inputs[index])
+        data = step.inputs[index] if first else as_tuple(x)
+        with step.timed(self.ctx.device):
+            out = steps.forward(data, chunk, None if first else step.inputs[index])
             if not self._is_last(chunk):
                 return out
-            if self._keep_outputs:
-                self._outputs.append(out.detach() if isinstance(out, Tensor) else out)
-            if not self._need_loss:
+            if step.keep_outputs:
+                step.outputs.append(out.detach() if isinstance(out, Tensor) else out)
+            if not step.need_loss:
                 return None
-            loss = steps.loss(out, self._labels[index])
-        self._losses.append(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
+            loss = steps.loss(out, step.labels[index])
+        step.losses.append(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
         return loss / self.num_microbatches
 
-    def _backward(self, x: Payload, y: Payload, grad_y: Payload, final: bool = False) -> Payload:
+    def _backward(
+        self, step: PipelineStep, x: Payload, y: Payload, grad_y: Payload, final: bool = False
+    ) -> Payload:
         """Back-propagate one micro-batch through one chunk; returns the gradient for ``x``."""
-        steps = self._steps
+        steps = step.steps
         sync = steps.grad_sync() if final else contextlib.nullcontext()
-        with self._timed(), sync:
+        with step.timed(self.ctx.device), sync:
             if grad_y is None:  # y is this micro-batch's loss
                 steps.backward(y)
             else:
@@ -234,11 +202,11 @@ class PipelineSchedule:
                     torch.autograd.backward(outs, grads)
         return input_grads(x)
 
-    def _reduce_loss(self) -> Tensor:
+    def _reduce_loss(self, step: PipelineStep) -> Tensor:
         """The mean micro-batch loss of the last stage, on every stage of the pipeline."""
         # broadcast in float64: exact for every model dtype, and the same on every stage
         loss = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        if self._is_last() and self._losses:
-            loss = torch.stack(self._losses).double().mean()
+        if self._is_last() and step.losses:
+            loss = torch.stack(step.losses).double().mean()
         last_rank = self.ctx.ranks(ParallelMode.PIPELINE)[-1]
         return comm.broadcast_(loss, last_rank, self.ctx.group(ParallelMode.PIPELINE))

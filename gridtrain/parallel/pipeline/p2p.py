@@ -139,9 +139,12 @@ class PipelineP2P:
         """Forget the streams' shapes: the next message of every keyed stream carries a header.
 
         Every rank of the pipeline calls it at the same point (a schedule: when a step
-        starts), so that sender and receiver agree which message has a header."""
+        starts), so that sender and receiver agree which message has a header. A step that
+        raised may have left messages to itself in the loop-back queues: they go too."""
         self._sent.clear()
         self._received.clear()
+        for queue in self._loop.values():
+            queue.clear()
 
     def _batch(self, ops: list[dist.P2POp]) -> None:
         if ops:
