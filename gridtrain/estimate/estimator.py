@@ -22,6 +22,7 @@ from gridtrain.estimate.scenario import Scenario, StageLayers
 from gridtrain.estimate.shards import TensorShards
 from gridtrain.estimate.states import MASTERS, OPTIMIZER_STATE, ModelStates
 from gridtrain.estimate.timing import collective_seconds, group_links
+from gridtrain.parallel.zero.memory_rules import reduces_each_backward
 
 RESERVED_GPU = 2 * GiB  # CUDA context, NCCL buffers, allocator slack
 TRAFFIC = 4  # activation bytes moved per saved byte: written, read, gradient written and read
@@ -226,8 +227,11 @@ def _stage_parts(spec, sc, device, shards, geo, links, sizes, layers):
             after += seconds
         else:
             tensor_s += seconds
-    # the last bucket cannot overlap: it is reduced once backward has made its gradients
+    # the last bucket cannot overlap: it is reduced once backward has made its gradients;
+    # stages that reduce in every backward (memory_rules) overlap every micro-batch's backward
     backward = compute * 2 / 3
+    if sc.zero and reduces_each_backward(sc.zero, sc.offload, sc.keep_unsharded_grads):
+        backward *= sc.micro_batches
     exposed_dp = max(overlapped - backward, overlapped / buckets) if overlapped else 0.0
     if not sc.overlap_dp:  # a gradient handler: the whole reduction after the backward
         exposed_dp = overlapped
