@@ -127,11 +127,10 @@ def trace_flow(
     """Run ``model`` on ``example`` (args tuple, kwargs dict or one tensor) on meta.
 
     ``tracked`` maps module path -> FRESH | PASS | SELF (how its output's sources are set);
-    ``watch``: other modules whose sources ``Flow.watched`` records.
-    Raises RuntimeError (with the model's error) when the forward cannot run on meta.
+    ``watch``: modules whose sources ``Flow.watched`` records. Raises RuntimeError (with the
+    model's error) when the forward cannot run on meta.
     """
-    flow, tagger, cuts = Flow(), _Tagger(), CutTracker()
-    modules = dict(model.named_modules())
+    flow, tagger, cuts, modules = Flow(), _Tagger(), CutTracker(), dict(model.named_modules())
     hooks = []
 
     def pre(name: str) -> Callable:
@@ -155,18 +154,13 @@ def trace_flow(
 
         return hook
 
-    def seen(name: str) -> Callable:
-        def hook(module, args, kwargs):
-            flow.watched.setdefault(name, set()).update(tagger.sources_of((args, kwargs)))
-
-        return hook
-
     for name, how in tracked.items():
-        module = modules[name]
-        hooks.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
-        hooks.append(module.register_forward_hook(post(name, how), with_kwargs=True))
-    for name in watch:
-        hooks.append(modules[name].register_forward_pre_hook(seen(name), with_kwargs=True))
+        hooks.append(modules[name].register_forward_pre_hook(pre(name), with_kwargs=True))
+        hooks.append(modules[name].register_forward_hook(post(name, how), with_kwargs=True))
+    hooks += [
+        modules[name].register_forward_pre_hook(_seen(flow, tagger, name), with_kwargs=True)
+        for name in watch
+    ]
     opaque = {name: first_input_shape for name, how in tracked.items() if how == OPAQUE}
     recorder = AttentionRecorder(model, tagger)
     try:
@@ -184,6 +178,15 @@ def trace_flow(
             h.remove()
     flow.attention, flow.cuts = recorder.calls, cuts.cuts
     return flow
+
+
+def _seen(flow: Flow, tagger: _Tagger, name: str) -> Callable:
+    """A pre-hook recording what watched module ``name`` reads (``Flow.watched``)."""
+
+    def hook(module, args, kwargs):
+        flow.watched.setdefault(name, set()).update(tagger.sources_of((args, kwargs)))
+
+    return hook
 
 
 def run_on_meta(
