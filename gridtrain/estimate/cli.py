@@ -76,6 +76,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("flash", "math"),
                    help="fused SDPA kernels or unfused attention keeping the scores (default: "
                    "the config's attention.backends, fused unless math comes first)")  # fmt: skip
+    _add_device_and_search_args(p)
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.add_argument("--measure", action="store_true",
+                   help="also run one rank of the layout (with --search: the best pick) on this "
+                   "machine's GPU, the other ranks a fake process group (no communication); "
+                   "print its compute time and peak memory beside the estimate")  # fmt: skip
+    p.set_defaults(handler=run, parser=p)
+    return p
+
+
+def _add_device_and_search_args(p: argparse.ArgumentParser) -> None:
+    """The device overrides and the --search options of ``estimate``."""
     dev = p.add_argument_group("device overrides")
     dev.add_argument("--peak-tflops", type=float, help="dense bf16 peak TFLOP/s")
     dev.add_argument("--memory-gb", type=float, help="memory per device, GiB")
@@ -89,13 +101,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--modes", default="none,1d,2d,2.5d,3d,sequence", help="tensor modes to try")
     s.add_argument("--headroom", type=float, default=0.10, metavar="F",
                    help="share of device memory a pick leaves free (default 0.10)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.add_argument("--measure", action="store_true",
-                   help="also run one rank of the layout (with --search: the best pick) on this "
-                   "machine's GPU, the other ranks a fake process group (no communication); "
-                   "print its compute time and peak memory beside the estimate")  # fmt: skip
-    p.set_defaults(handler=run, parser=p)
-    return p
 
 
 def _device(args):
