@@ -108,7 +108,7 @@ def build_plan(
     check_loose_params(kinds, {m: e.style for m, e in plan.entries.items()}, flow, modules, spec)
     count_sharded(plan, model)
     with adapter.local_view(model, plan, ctx) if adapter is not None else nullcontext():
-        check_local_shapes(model, example, plan, flow, ctx)
+        check_local_shapes(model, example, plan, flow, ctx, attention_replaced=adapter is not None)
     return plan
 
 
