@@ -95,6 +95,7 @@ def check_local_shapes(
             f"tensor mode {plan.mode!r}: {type(model).__name__}'s forward fails in "
             f"{trail.where()} on this rank's activations, whose hidden dims arrive split over "
             f"{what} ({type(err).__name__}: {str(err).splitlines()[0][:300]}); {FIX}"
+            f"{_styles_inside(plan, trail.innermost())}"
         ) from None
     if len(recorder.calls) != len(flow.attention):
         return  # data-dependent control flow: the calls cannot be paired
@@ -146,6 +147,22 @@ def _attention_module(model: nn.Module) -> str:
     """The first ``nn.MultiheadAttention`` of ``model`` (the other call the mode refuses)."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
     return names[0] if names else type(model).__name__
+
+
+def _styles_inside(plan: Plan, path: str) -> str:
+    """The styles the plan gives the split layers inside ``path`` and where each came from:
+    what a user overrides in ``parallel.tensor.plan`` when the module cannot take them."""
+    inside = [
+        f"{name}: {e.style} ({e.origin})"
+        for name, e in plan.entries.items()
+        if e.layer and (not path or name.startswith(path + "."))
+    ]
+    if not inside:
+        return ""
+    return (
+        f"; or give these layers other styles (e.g. 'replicate') in parallel.tensor.plan: "
+        f"{inside[:6]}{' ...' if len(inside) > 6 else ''}"
+    )
 
 
 def _heads_error(calls: list[AttentionCall], split: int, what: str) -> PlanError | None:

@@ -241,6 +241,10 @@ class ModuleTrail:
     def _pop(self, module, args, output) -> None:
         self.stack.pop()
 
+    def innermost(self) -> str:
+        """The innermost running module's path ('' for the model itself)."""
+        return self.stack[-1] if self.stack else ""
+
     def where(self) -> str:
         """The innermost running module, in words."""
         if not self.stack or not self.stack[-1]:
