@@ -4,8 +4,9 @@
 
 Nothing is downloaded. When ``--path`` holds no model yet, rank 0 builds one from a
 ``MixtralConfig`` (bytes as tokens, 8 experts, top 2) and writes it with ``transformers``'
-own ``save_pretrained``: the directory a user would have from the Hub. Then, in the layout
-the config names, the script does what the README shows for any Hugging Face model: build it
+own ``save_pretrained``: the directory a user would have from the Hub (Mixtral's original
+per-expert keys, which ``load_pretrained`` converts into the model's fused experts). Then,
+in the layout the config names, the script does what the README shows for any Hugging Face model: build it
 under ``gt.lazy_init``, ``gt.initialize``, ``gridtrain.hf.load_pretrained`` (each rank reads
 only its experts), train next-byte prediction on Python's own help text with the model's
 router loss (``output_router_logits``), log the loss, and save the result with
@@ -61,9 +62,10 @@ def ensure_model(path: Path, ctx) -> None:
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(mixtral_config())
-        # the model's own keys (fused [experts, ...] tensors), which load_pretrained reads;
-        # transformers' default writes Mixtral's original per-expert keys
-        model.save_pretrained(path, save_original_format=False)
+        # transformers' default: Mixtral's original per-expert keys
+        # (block_sparse_moe.experts.N.w1.weight), as hub checkpoints hold them;
+        # load_pretrained converts them into the model's fused [experts, ...] tensors
+        model.save_pretrained(path)
         logger.info("built a Mixtral-style model and saved it to %s", path)
     dist.barrier()
 

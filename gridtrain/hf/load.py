@@ -16,6 +16,12 @@ a path out of it refused by name) through one open descriptor (``pinned``), so a
 A weight tied in the model and saved once (GPT-2's ``lm_head.weight``) is read from the
 key it is tied to; non-persistent buffers that no checkpoint holds (rotary
 ``inv_freq``) are recomputed from the config, as ``transformers`` does.
+
+A checkpoint in a family's original layout (Mixtral's per-expert
+``block_sparse_moe.experts.3.w1.weight``, as most hub checkpoints store it, where the
+installed ``transformers`` fuses experts into ``[num_experts, ...]`` tensors) is converted by
+``transformers``' own checkpoint conversion mapping (``sources``), each rank reading only
+the experts it holds.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from gridtrain.hf import reading
 from gridtrain.hf.patches import recompute_all_rotary
 from gridtrain.hf.reading import PretrainedFileError
 from gridtrain.hf.save import INDEX, SINGLE
+from gridtrain.hf.sources import Source, Stored, keys_from_mapping, read_runs
 from gridtrain.hf.weights import (
     Entry,
     agree_on_error,
@@ -62,71 +69,91 @@ def load_pretrained(
     tied = _tied_keys(mine, aliases, ctx)  # collective (pipeline): before anything can fail
     with pin(directory, ctx) as (root, _), reading.opened(root, directory) as d:
         with ExitStack() as stack:
+            files = _Files(d, stack)
             error, kind, plan = None, PretrainedMismatchError, []
             try:
                 where = reading.weight_map(d, INDEX, SINGLE)
-                plan, error = _check(mine, tied, where, d, stack)
+                plan, error = _check(model, mine, tied, where, files, d.where)
             except PretrainedFileError as err:
                 error, kind = str(err), PretrainedFileError
             except (OSError, ValueError, KeyError) as err:
                 error = f"cannot read {directory}: {err}"
             agree_on_error(error, ctx, kind)
-            handles = {}
-            for e, key, name in plan:
-                if name not in handles:
-                    handles[name] = d.safetensors(name, "the weight file", stack)
-                d.read(name, lambda: _load_entry(e, handles[name], key, ctx))  # noqa: B023
+            for e, source in plan:
+                _load_entry(e, source, files, ctx)
     recompute_all_rotary(model)
 
 
-def _load_entry(e: Entry, f, key: str, ctx: ParallelContext | None) -> None:
-    """Read this rank's slice of ``key`` into ``e``'s tensor through the dense-state path:
+class _Files:
+    """The directory's weight files (``sources.Files``): each opened once, on ``stack``; a
+    safetensors error raised naming its file."""
+
+    def __init__(self, d: reading.Directory, stack: ExitStack):
+        self.d, self.stack, self.handles = d, stack, {}
+
+    def _open(self, name: str):
+        if name not in self.handles:
+            self.handles[name] = self.d.safetensors(name, "the weight file", self.stack)
+        return self.handles[name]
+
+    def shape(self, key: str, name: str) -> tuple[int, ...]:
+        return self.d.read(name, lambda: tuple(self._open(name).get_slice(key).get_shape()))
+
+    def read(self, key: str, name: str, runs) -> Tensor:
+        def get() -> Tensor:
+            f = self._open(name)
+            return read_runs(f.get_slice(key), runs) if runs else f.get_tensor(key)
+
+        return self.d.read(name, get)
+
+
+def _load_entry(e: Entry, source: Source, files: _Files, ctx: ParallelContext | None) -> None:
+    """Read this rank's slice of ``source`` into ``e``'s tensor through the dense-state path:
     only its rows where it holds rows (ZeRO 3, Gemini), else its tensor-parallel shard, which
     the tensor and its master (naive fp16, ZeRO 1-2) each keep their part of."""
     rows = held_rows(e.tensor, ctx) if ctx is not None else None
     if rows is not None:
         if rows[1] > rows[0]:  # a rank may own no rows of a small tensor
-            load_rows(e.tensor, _read(f, key, local_runs(e, ctx, rows)))
+            load_rows(e.tensor, source.read(files, local_runs(e, ctx, rows)))
         return
-    full = _read(f, key, local_runs(e, ctx))
+    full = source.read(files, local_runs(e, ctx))
     if ctx is None:  # no layout: a plain model
         e.tensor.copy_(full)
     else:
         load_local(e.tensor, full, ctx)
 
 
-def _check(mine: list[Entry], tied, where: dict[str, str], d: reading.Directory, stack):
-    """(what to read: entry, checkpoint key, file; the first error or None)."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def _check(model: nn.Module, mine: list[Entry], tied, where: dict[str, str], files, named):
+    """(what to read: entry and its source; the first error or None). A key the directory
+    lacks is read from what ``transformers``' conversion mapping makes it from (``sources``)."""
+    converted = keys_from_mapping(model, where, [e.key for e in mine])
     plan = []
-    handles = {}
     for e in mine:
         if e.tensor.is_meta:
             return [], (
                 f"'{e.key}' is on the meta device: call load_pretrained after gt.initialize "
                 "(which allocates this rank's shards of a gt.lazy_init() model)"
             )
-        key = e.key if e.key in where else _first(tied.get(e.key, ()), where)
-        if key is None:
-            missing = [x.key for x in mine if x.key not in where and not tied.get(x.key)]
+        source = _source(e.key, tied, where, converted)
+        if source is None:
+            missing = [x.key for x in mine if _source(x.key, tied, where, converted) is None]
+            return [], (f"'{e.key}' is missing from {named} (first of {len(missing)} missing keys)")
+        shape = source.shape(files)
+        if shape != e.shape:
             return [], (
-                f"'{e.key}' is missing from {d.where} (first of {len(missing)} missing keys)"
+                f"shape mismatch at '{source.name}' (the first mismatching key): {named} has "
+                f"{shape}, the model has {e.shape}"
             )
-        name = where[key]
-        if name not in handles:
-            handles[name] = d.safetensors(name, "the weight file", stack)
-        shapes[key] = d.read(name, lambda: tuple(handles[name].get_slice(key).get_shape()))  # noqa: B023
-        if shapes[key] != e.shape:
-            return [], (
-                f"shape mismatch at '{key}' (the first mismatching key): {d.where} has "
-                f"{shapes[key]}, the model has {e.shape}"
-            )
-        plan.append((e, key, name))
+        plan.append((e, source))
     return plan, None
 
 
-def _first(keys, where: dict[str, str]) -> str | None:
-    return next((k for k in keys if k in where), None)
+def _source(key: str, tied, where: dict[str, str], converted: dict[str, Source]) -> Source | None:
+    """Where ``key`` is read from: itself, a key tied to it, or what converts into it."""
+    for k in (key, *tied.get(key, ())):
+        if k in where:
+            return Stored(k, where[k])
+    return converted.get(key)
 
 
 def _tied_keys(mine: list[Entry], aliases: dict[str, str], ctx) -> dict[str, list[str]]:
@@ -144,18 +171,3 @@ def _tied_keys(mine: list[Entry], aliases: dict[str, str], ctx) -> dict[str, lis
         for key in keys:
             out.setdefault(key, []).extend(k for k in keys if k != key)
     return out
-
-
-def _read(f, key: str, runs: list[list[tuple[int, int]]]) -> Tensor:
-    """This rank's piece of ``key``: the cartesian product of its runs, read slice by slice."""
-    if not runs:
-        return f.get_tensor(key)
-    sl = f.get_slice(key)
-
-    def piece(prefix: list[slice], dim: int) -> Tensor:
-        if dim == len(runs):
-            return sl[tuple(prefix)]
-        parts = [piece([*prefix, slice(a, b)], dim + 1) for a, b in runs[dim]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-    return piece([], 0)
