@@ -1,8 +1,9 @@
 """Hugging Face mixture-of-experts models spread over the EXPERT group by config alone equal the
 same model trained in one process holding every expert.
 
-For Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and DeepSeek-V3 (shared experts, grouped
-routing): ``moe = dict(expert_parallel_size=2)`` on 2 ranks, the user's loop unchanged
+For Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE, DeepSeek-V3 (shared experts, grouped
+routing) and GPT-OSS (biased experts whose forward names its arguments ``router_indices``,
+``routing_weights``): ``moe = dict(expert_parallel_size=2)`` on 2 ranks, the user's loop unchanged
 (cross entropy of ``out.logits`` plus the model's router loss, ``output_router_logits``).
 Each rank must hold half of every expert tensor (a run where every rank holds every expert
 fails), and losses, every step's gradients and the weights after 3 AdamW steps must equal
@@ -14,6 +15,7 @@ from __future__ import annotations
 import pytest
 from helpers.harness import run_distributed
 from helpers.hf_moe import (
+    EP2_ONLY,
     FAMILIES,
     STEPS,
     adamw,
@@ -81,7 +83,7 @@ def check_parity(family, world, config, ep, batches=None, **model_kw):
     return runs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *EP2_ONLY])
 def test_experts_spread_over_two_ranks_equal_one_process(family):
     check_parity(family, 2, dict(moe=dict(expert_parallel_size=2)), ep=2)
 

@@ -18,6 +18,8 @@ from helpers.runs import seeded
 VOCAB, HIDDEN, EXPERTS, TOP_K = 64, 32, 4, 2
 STEPS, BATCH, SEQ = 3, 8, 8
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+# families checked at ep 2 only (tests/test_hf_moe_parity.py)
+EP2_ONLY = ("gpt_oss",)
 # dense key of one expert tensor per family (layer 0; DeepSeek's first layer is a MoE too)
 EXPERT_KEY = "model.layers.0.mlp.experts.gate_up_proj"
 
@@ -70,6 +72,10 @@ def tiny_config(family: str, **kw):
             num_mtp_layers=0,
             **base,
         )
+    elif family == "gpt_oss":  # biased experts, clamped SwiGLU, attention sinks
+        cfg = tf.GptOssConfig(
+            intermediate_size=24, num_local_experts=EXPERTS, head_dim=8, sliding_window=4, **base
+        )
     else:
         raise ValueError(family)
     for key, value in kw.items():
@@ -84,7 +90,13 @@ def tiny_moe(family: str, dtype=torch.float32, **kw):
 
     def build():
         cfg = tiny_config(family, **kw)
-        return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        attention = "eager" if family == "gpt_oss" else "sdpa"  # GPT-OSS has no SDPA path
+        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attention)
+        with torch.no_grad():  # zero-initialised expert biases: a misplaced one shows at once
+            for name, p in model.named_parameters():
+                if ".experts." in name and name.endswith("_bias"):
+                    p.normal_(0.0, 0.02)
+        return model
 
     return seeded(build, seed=0, dtype=dtype)
 

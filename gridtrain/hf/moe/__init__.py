@@ -60,10 +60,10 @@ def parallelize_experts(
     init = getattr(model, "_init_weights", None)
     for name, per_expert in found.items():
         module = model.get_submodule(name)
-        num = check_experts(name, module, per_expert, ep)
-        if ep == 1:
-            keep_whole(module, num)  # planned whole; grouped GEMMs where the device has them
+        if ep == 1:  # nothing spread: planned whole, run as the model's code runs it
+            keep_whole(module, per_expert)
             continue
+        num = check_experts(name, module, per_expert, ep)
         places[name], moved = spread(name, module, num, ctx, init)
         new_of.update(moved)
     _drop_expert_styles(model, list(found))

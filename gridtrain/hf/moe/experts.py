@@ -3,7 +3,8 @@
 Recent ``transformers`` MoE families keep each layer's experts as one module whose
 tensors are ``[num_experts, ...]`` (``gate_up_proj``, ``down_proj``, optional biases)
 and whose forward takes ``(hidden_states [T, d], top_k_index [T, k], top_k_weights [T,
-k])`` from the block's router. Their expert-parallel plan (``model.ep_plan``) names
+k])`` from the block's router (GPT-OSS names them ``router_indices`` and
+``routing_weights``: ``FORWARD_ARGS``). Their expert-parallel plan (``model.ep_plan``) names
 those modules (``ep_dispatch_experts``) and tensors (``grouped_gemm``). For each:
 
 * every per-expert tensor is cut to this rank's ``num_experts / ep`` experts (a
@@ -45,7 +46,12 @@ from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
 
 EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
-FORWARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+# the experts' forward arguments (hidden states [T, d], each token's k experts [T, k] and
+# their weights [T, k]) under the names the families give them
+FORWARD_ARGS = (
+    ("hidden_states", "top_k_index", "top_k_weights"),  # Mixtral, Qwen, DeepSeek, ...
+    ("hidden_states", "router_indices", "routing_weights"),  # GPT-OSS
+)
 
 
 @dataclass
@@ -92,35 +98,52 @@ def expert_modules(model: nn.Module) -> dict[str, list[str]]:
 
 
 def check_experts(name: str, module: nn.Module, per_expert: list[str], ep: int) -> int:
-    """The module's expert count; a PlanError naming ``name`` and what it lacks."""
-    what = f"'{name}' ({type(module).__name__})"
+    """The module's expert count; a PlanError naming ``name`` and what it lacks to be spread
+    over ``ep`` ranks."""
+    num, lack = _what_lacks(module, per_expert, ep)
+    if lack is not None:
+        raise PlanError(f"'{name}' ({type(module).__name__}): {lack}")
+    return num
+
+
+def forward_args(cls: type) -> tuple[str, str, str] | None:
+    """The names of the experts class's forward's (hidden states, expert index, weights)
+    arguments, when they are one of ``FORWARD_ARGS``; None otherwise."""
+    if issubclass(cls, ExpertParallel):  # dispatching already: its experts class's names
+        return cls.gt_forward_args
+    args = tuple(inspect.signature(cls.forward).parameters)[1:4]
+    return args if args in FORWARD_ARGS else None
+
+
+def _what_lacks(module: nn.Module, per_expert: list[str], ep: int) -> tuple[int, str | None]:
+    """(the expert count, what keeps ``module``'s experts from the dispatch, or None)."""
     num = getattr(module, "num_experts", None)
     if not isinstance(num, int) or num < 1:
-        raise PlanError(f"{what}: an experts module without an int num_experts")
-    args = list(inspect.signature(type(module).forward).parameters)[1:4]
-    if tuple(args) != FORWARD_ARGS:
-        raise PlanError(
-            f"{what}: its forward takes {args}, not {list(FORWARD_ARGS)}: gridtrain hands "
-            "fused experts their tokens in that form only"
+        return 0, "an experts module without an int num_experts"
+    if forward_args(type(module)) is None:
+        args = list(inspect.signature(type(module).forward).parameters)[1:4]
+        known = " or ".join(str(list(a)) for a in FORWARD_ARGS)
+        return num, (
+            f"its forward takes {args}, not {known}: gridtrain hands fused experts their "
+            "tokens in that form only"
         )
     others = [n for n, _ in module.named_parameters() if n not in per_expert]
     if others:
-        raise PlanError(
-            f"{what} holds parameters that are not per expert ({others}); gridtrain spreads "
-            "whole experts and cannot place a tensor shared by all of them"
+        return num, (
+            f"holds parameters that are not per expert ({others}); gridtrain spreads whole "
+            "experts and cannot place a tensor shared by all of them"
         )
     for local, p in module.named_parameters():
         if p.dim() == 0 or p.shape[0] != num:
-            raise PlanError(
-                f"{what}: '{local}' of shape {tuple(p.shape)} is in the expert plan but its "
-                f"first dimension is not num_experts={num}"
+            return num, (
+                f"'{local}' of shape {tuple(p.shape)} is in the expert plan but its first "
+                f"dimension is not num_experts={num}"
             )
     if num % ep:
-        raise PlanError(
-            f"{what}: {num} experts do not split over moe.expert_parallel_size {ep} "
-            f"({num} % {ep} != 0)"
+        return num, (
+            f"{num} experts do not split over moe.expert_parallel_size {ep} ({num} % {ep} != 0)"
         )
-    return num
+    return num, None
 
 
 def spread(
@@ -151,9 +174,15 @@ def spread(
     return place, new_of
 
 
-def keep_whole(module: nn.Module, num: int) -> None:
-    """At ep 1: every expert stays on this rank, dispatched by the same forward (grouped
-    GEMMs where the device has them, else the model's own)."""
+def keep_whole(module: nn.Module, per_expert: list[str]) -> None:
+    """At ep 1: every expert stays on this rank, planned as one block. Experts the dispatch
+    takes run through it (grouped GEMMs where the device has them, else the model's own
+    forward); any others run the model's own forward as they are (nothing is spread, so
+    nothing they lack matters)."""
+    num, lack = _what_lacks(module, per_expert, 1)
+    if lack is not None:
+        module.gt_parallel = True  # the tensor planner keeps it whole, never traced inside
+        return
     module.gt_experts = Placement(num, 1, 0)
     module.__class__ = _dispatching(type(module))
 
@@ -172,8 +201,10 @@ class ExpertParallel:
 
     gt_parallel = True  # the tensor planner keeps the module whole and never traces inside
     gt_experts: Placement
+    gt_forward_args: tuple[str, str, str]  # its own forward's names (``FORWARD_ARGS``)
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor):
+    def forward(self, *args, **kwargs):
+        hidden_states, top_k_index, top_k_weights = _routed(self, args, kwargs)
         if hidden_states.dim() != 2:
             raise ValueError(
                 f"{type(self).__name__}: expected hidden_states [tokens, hidden], got "
@@ -189,6 +220,23 @@ class ExpertParallel:
         return out
 
 
+def _routed(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor]:
+    """(hidden states, expert index, weights) from a call of the experts module, by position
+    or by the names its own forward gives them; any other argument is refused."""
+    names = module.gt_forward_args
+    extra = [k for k in kwargs if k not in names]
+    if extra or len(args) > len(names):
+        raise TypeError(
+            f"{type(module).__name__}: gridtrain's expert dispatch takes {list(names)} only, "
+            f"got {len(args)} positional arguments and {sorted(kwargs)}"
+        )
+    got = dict(zip(names, args)) | kwargs
+    missing = [n for n in names if got.get(n) is None]
+    if missing:
+        raise TypeError(f"{type(module).__name__}: the expert dispatch needs {missing}")
+    return got[names[0]], got[names[1]], got[names[2]]
+
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -198,5 +246,6 @@ def _dispatching(cls: type) -> type:
     if issubclass(cls, ExpertParallel):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+        names = {"gt_forward_args": forward_args(cls)}
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), names)
     return _CLASSES[cls]

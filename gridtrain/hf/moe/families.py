@@ -39,6 +39,9 @@ FAMILIES: dict[str, MoeFamily] = {
     "mixtral": MoeFamily(RouterLoss(), note="top-k softmax router, no shared expert"),
     "qwen2_moe": MoeFamily(RouterLoss(), note="sigmoid-gated shared expert beside the experts"),
     "qwen3_moe": MoeFamily(RouterLoss(), note="top-k softmax router, no shared expert"),
+    "gpt_oss": MoeFamily(
+        RouterLoss(), note="top-k router with a bias, biased experts, clamped SwiGLU"
+    ),
     "deepseek_v3": MoeFamily(
         None, note="grouped sigmoid routing with a bias, shared experts; no auxiliary loss"
     ),
