@@ -23,7 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gridtrain.parallel.moe.experts import compute_dtype, grouped_mm_supported, scale_grad
+from gridtrain.parallel.moe.experts import (
+    compute_dtype,
+    grouped_linear,
+    grouped_mm_supported,
+    scale_grad,
+)
 
 # what transformers' ``use_experts_implementation`` sets on an experts module
 LAYOUT_ATTRS = ("has_gate", "has_bias", "is_transposed")
@@ -44,10 +49,8 @@ def _as_kn(weight: Tensor, module: nn.Module) -> Tensor:
 
 
 def _grouped_linear(x, weight, bias, offs, onehot, module, dtype):
-    y = torch._grouped_mm(x, _as_kn(weight, module).to(dtype), offs=offs)
-    if bias is None:
-        return y
-    return torch.addmm(y, onehot, bias.to(dtype))
+    bias = None if bias is None else bias.to(dtype)
+    return grouped_linear(x, _as_kn(weight, module).to(dtype), offs, bias, onehot)
 
 
 def grouped_experts(module: nn.Module, x: Tensor, counts: Tensor) -> Tensor:

@@ -78,6 +78,20 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def grouped_linear(
+    x: Tensor, weight: Tensor, offs: Tensor, bias: Tensor | None = None, onehot=None
+) -> Tensor:
+    """Rows ``x`` [rows, in] sorted by expert (``offs``: each expert's end row, int32) through
+    ``weight`` [experts, in, out] by one ``torch._grouped_mm``; ``bias`` [experts, out] added
+    to each row as ``onehot @ bias`` (``onehot`` [rows, experts]: each row's expert) in
+    ``addmm``'s epilogue: no ``[rows, out]`` gather and add, and the bias gradient is one small
+    matmul (indexing's backward sorts thousands of repeats of a handful of indices, 5 ms per
+    call at 16k tokens on an H200; ``segment_reduce`` syncs the host). Shared by
+    ``Experts`` and the Hugging Face experts (``gridtrain.hf.moe.grouped``)."""
+    y = torch._grouped_mm(x, weight, offs=offs)
+    return y if bias is None else torch.addmm(y, onehot, bias)
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; gradient times ``scale`` backward."""
 
@@ -189,13 +203,9 @@ class Experts(nn.Module):
             # _grouped_mm is on no autocast list: cast as autocast would for a matmul
             with torch.autocast(x.device.type, enabled=False):
                 x, w1, b1, w2, b2 = (t.to(dtype) for t in (x, w1, b1, w2, b2))
-                # each row's bias as one_hot(expert) @ bias, added in addmm's epilogue: no
-                # [rows, ffn] gather and add, and the bias gradient is one small matmul
-                # (indexing's backward sorts thousands of repeats of a handful of indices, 5 ms
-                # per call at 16k tokens on an H200; segment_reduce syncs the host)
                 onehot = F.one_hot(expert, self.num_local_experts).to(dtype)
-                h = self.activation(torch.addmm(torch._grouped_mm(x, w1, offs=offs), onehot, b1))
-                return torch.addmm(torch._grouped_mm(h, w2, offs=offs), onehot, b2)
+                h = self.activation(grouped_linear(x, w1, offs, b1, onehot))
+                return grouped_linear(h, w2, offs, b2, onehot)
         # rows padded to the busiest expert: the capacity path's batched matmul, no dropping
         start = torch.cumsum(counts, 0) - counts
         slot = torch.arange(rows, device=x.device) - start[expert]
