@@ -122,3 +122,31 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
+
+
+FROZEN = """
+ctx = gt.launch_from_torch(backend="gloo")
+say(f"pid {os.getpid()} training")
+while True:
+    dist.all_reduce(torch.ones(4))
+    time.sleep(0.05)
+"""
+
+
+def test_a_frozen_rank_is_reported_as_stopped_not_killed(job_dir):
+    """Issue 33 item 9: a rank frozen by SIGSTOP (Ctrl-Z, a debugger) makes rank 0 time out;
+    the report says rank 1 was stopped, not that something killed it by SIGKILL (torch's
+    agent waits 30 s for it to take SIGTERM, then kills it)."""
+    proc = start(job_dir, FROZEN, "timeout_s = 5\n")
+    lines: list[str] = []
+    wait_for_line(proc, lines, {"rank 0 pid", "rank 1 pid"})
+    pid = next(int(line.split()[3]) for line in lines if line.startswith("rank 1 pid"))
+    os.kill(pid, signal.SIGSTOP)
+    began = time.monotonic()
+    code, out = finish(proc, timeout=120)
+    took = time.monotonic() - began
+    assert code == 1, out
+    assert out.startswith("rank 1 was stopped (SIGSTOP"), out
+    assert "rank 0: timed out waiting for it" in out, out
+    assert "SIGKILL" not in out, out
+    assert took < 25, f"{took:.1f} s: timeout_s is 5, then no 30 s wait for a SIGKILL"

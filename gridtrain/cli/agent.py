@@ -13,7 +13,9 @@ with these changes.
   table; the worker processes' own bookkeeping goes in a temporary report directory. A
   signal passed on by ``gridtrain run`` ends it with one line, not torch's traceback.
 - Workers are stopped by ``_stop_workers``: a Ctrl-C reaches them as SIGTERM (prompt and
-  quiet).
+  quiet). A stopped (SIGSTOP) worker is resumed to take it, and one the launcher has to kill
+  is noted as such (``unresponsive.close_workers``), so the report does not say "killed by
+  SIGKILL".
 - Port 0 (``gridtrain run`` on one machine): the store binds a free port and keeps it.
 - ``OPTIONS -- SCRIPT ARGS`` (how ``gridtrain run`` calls it): only ``OPTIONS SCRIPT`` is
   parsed, ARGS go to the script untouched (torchrun would read ``--d 256`` as its own).
@@ -33,12 +35,13 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from gridtrain.cli import failures
 from gridtrain.cli.argv import after_separator
 from gridtrain.cli.procs import die_with_parent
+from gridtrain.cli.unresponsive import close_workers
 from gridtrain.failure_record import REPORT_DIR
 from gridtrain.launch import bind_loopback, bound_port, is_loopback
 
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
     torchrun.config_from_args = _workers_die_with_agent(torchrun.config_from_args)
     LocalElasticAgent._shutdown = _stop_workers(LocalElasticAgent._shutdown)
+    PContext.close = close_workers(PContext.close, Path(report_dir))
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         _DropDeathSignalNotice()
     )
