@@ -33,13 +33,17 @@ def gridtrain_command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "gridtrain.cli"]
 
 
-def start(tmp_path: Path, body: str, config: str = "", *options: str) -> subprocess.Popen:
-    """Start `gridtrain run --nproc_per_node 2 [options] --config config.py job.py` in tmp_path."""
+def start(
+    tmp_path: Path, body: str, config: str = "", *options: str, port: bool = True
+) -> subprocess.Popen:
+    """Start `gridtrain run --nproc_per_node 2 [options] --config config.py job.py` in tmp_path
+    (with `--master_port` a free port unless ``port`` is False: then the launcher picks one)."""
     (tmp_path / "config.py").write_text(config)
     (tmp_path / "job.py").write_text(PRELUDE + body)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop(CONFIG_ENV, None)
-    argv = ["run", "--nproc_per_node", "2", "--master_port", str(free_port()), *options]
+    chosen = ["--master_port", str(free_port())] if port else []
+    argv = ["run", "--nproc_per_node", "2", *chosen, *options]
     return subprocess.Popen(
         [*gridtrain_command(), *argv, "--config", "config.py", "job.py"],
         cwd=tmp_path,
@@ -98,6 +102,8 @@ def wait_for_line(proc: subprocess.Popen, lines: list[str], needles: set[str], t
 
 # ---- the rendezvous store ------------------------------------------------------------------
 LISTENERS = """
+import fcntl, socket, struct
+
 def listening(port):
     # local addresses of listening TCP sockets on `port`, from /proc/net/tcp and tcp6
     found = []
@@ -109,18 +115,50 @@ def listening(port):
                 found.append(addr)
     return found
 
+def other_addresses():
+    # this machine's IPv4 addresses but loopback's (SIOCGIFADDR on every interface)
+    found = []
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _, name in socket.if_nameindex():
+        try:
+            packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            continue  # no IPv4 address
+        addr = socket.inet_ntoa(packed[20:24])
+        if not addr.startswith("127."):
+            found.append(addr)
+    return found
+
+def reach(addr, port):
+    try:
+        socket.create_connection((addr, port), timeout=5).close()
+        return "connected"
+    except OSError as err:
+        return type(err).__name__
+
 ctx = gt.launch_from_torch(backend="gloo")
 if ctx.global_rank == 0:
-    say(f"store listens on {sorted(listening(int(os.environ['MASTER_PORT'])))}")
+    port = int(os.environ["MASTER_PORT"])
+    say(f"store listens on {sorted(listening(port))}")
+    say(f"store from 127.0.0.1: {reach('127.0.0.1', port)}")
+    for addr in other_addresses():
+        say(f"store from {addr}: {reach(addr, port)}")
+dist.barrier()
 gt.destroy()
 """
 
 
 def test_local_run_store_listens_on_loopback_only(job_dir):
-    code, out = finish(start(job_dir, LISTENERS))
+    """Issue 33 item 8, the README's threat model: on one machine the store (no authentication)
+    is reachable from this machine only. The launcher chooses the port, as for a user."""
+    code, out = finish(start(job_dir, LISTENERS, port=False))
     assert code == 0, out
     # 0100007F is 127.0.0.1 as /proc writes it; all interfaces would be 00000000 (or :: in tcp6)
     assert "rank 0 store listens on ['0100007F']" in out, out
+    assert "rank 0 store from 127.0.0.1: connected" in out, "control: the store is there"
+    others = [line for line in out.splitlines() if line.startswith("rank 0 store from ")][1:]
+    for line in others:  # through this machine's other interfaces: nobody listens
+        assert line.endswith(": ConnectionRefusedError"), out
 
 
 # ---- signals --------------------------------------------------------------------------------
