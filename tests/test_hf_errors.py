@@ -164,6 +164,35 @@ def test_a_norm_replaced_by_something_else_is_refused_by_name():
             assert w in message, message
 
 
+class NormedEmbedding(torch.nn.Embedding):
+    """Normalises each row over the embedding dim (as Inkling's and MuseSpark's embeddings
+    do): run on a block of the table's columns it would normalise over the block."""
+
+    def forward(self, ids):
+        return torch.nn.functional.normalize(super().forward(ids), dim=-1)
+
+
+def _normed_error(ctx):
+    model = tiny_model("llama")
+    old = model.model.embed_tokens
+    model.model.embed_tokens = NormedEmbedding(old.num_embeddings, old.embedding_dim)
+    model.to(torch.float64)
+    try:
+        gt.initialize(model, adamw(model), lm_loss)
+    except ValueError as err:
+        return type(err).__name__, str(err)
+    return None, None
+
+
+def test_an_embedding_mixing_its_columns_is_refused_under_2d():
+    """The grid runs an embedding's own forward on a block of its columns: one that mixes
+    columns is named before any weight moves (it would normalise over a quarter of the row)."""
+    for kind, message in run_distributed(_normed_error, 4, config=_tensor(4, "2d")):
+        assert kind == "PlanError", message
+        for w in ("'model.embed_tokens'", "NormedEmbedding", "mixes columns"):
+            assert w in message, message
+
+
 def _shifted_llama():
     model = tiny_model("llama")
     old = model.model.embed_tokens

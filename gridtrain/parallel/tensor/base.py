@@ -54,15 +54,72 @@ def linear_dims(dense: nn.Module) -> tuple[int, int, bool]:
     raise TypeError(f"expected an nn.Linear or a Hugging Face Conv1D, got {type(dense).__name__}")
 
 
-def own_forward(layer: ShardedModule) -> bool:
+def own_forward(layer: ShardedModule, parts: int) -> bool:
     """Whether ``layer``'s dense embedding computes more than ``nn.Embedding``'s lookup (a
     subclass with its own forward); if so its buffers are kept on ``layer`` for
-    ``run_dense``."""
+    ``run_dense``, which runs that forward on one of ``parts`` column blocks of the table.
+    Raises ValueError when the forward does not compute each column on its own
+    (``check_column_local``)."""
     dense = layer.dense
     own = isinstance(dense, nn.Embedding) and type(dense).forward is not nn.Embedding.forward
     if own:
+        check_column_local(dense, parts)
         layer.keep_buffers()
     return own
+
+
+PROBE_ROWS, PROBE_TOKENS = 64, 8
+
+
+def check_column_local(dense: nn.Embedding, parts: int) -> None:
+    """Raise ValueError unless ``dense``'s own forward, run on a block of the table's columns,
+    gives that block of its output: an extra that is elementwise (Gemma's scale) or acts on
+    rows (OPT's position offset) passes; one that mixes columns (a norm over the embedding,
+    Inkling's ``embed_norm``) or holds full-width weights of its own does not, and run on a
+    block it would compute something else, silently.
+
+    Probed on random values (the weights may be on meta): a table of ``PROBE_ROWS`` rows at
+    full width, called with ``PROBE_TOKENS`` ones (token ids, or an attention mask from which
+    the forward derives positions), compared with the same forward on each block."""
+    gen = torch.Generator().manual_seed(0)
+    width = dense.embedding_dim
+    rows = min(dense.num_embeddings, PROBE_ROWS)
+    tensors = {
+        name: _probe_tensor(t, gen)
+        for name, t in [*dense.named_parameters(), *dense.named_buffers()]
+        if name != "weight"
+    }
+    table = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    ids = torch.ones(1, PROBE_TOKENS, dtype=torch.long)
+    step = width // parts
+    why = (
+        f"{type(dense).__name__}'s own forward must compute each column of the embedding on "
+        f"its own, as it runs on a block of {step} of the {width} columns on each rank"
+    )
+    try:
+        full = torch.func.functional_call(dense, {**tensors, "weight": table}, (ids,))
+        blocks = [
+            torch.func.functional_call(
+                dense, {**tensors, "weight": table[:, i * step : (i + 1) * step]}, (ids,)
+            )
+            for i in range(parts)
+        ]
+        same = torch.allclose(torch.cat(blocks, dim=-1), full, rtol=1e-12, atol=1e-12)
+    except Exception as err:  # noqa: BLE001 - the forward's own failure on a block
+        raise ValueError(f"{why}; on a block it fails ({type(err).__name__}: {err})") from None
+    if not same:
+        raise ValueError(
+            f"{why}; it mixes columns (a norm over the embedding dim?), so run on a block it "
+            "computes something else: keep it whole with 'replicate' in parallel.tensor.plan "
+            "under 1d, or use another tensor mode"
+        )
+
+
+def _probe_tensor(t: Tensor, gen: torch.Generator) -> Tensor:
+    """A real stand-in for a (possibly meta) parameter or buffer of the probed embedding."""
+    if t.is_floating_point():
+        return torch.randn(t.shape, generator=gen, dtype=torch.float64)
+    return torch.ones(t.shape, dtype=t.dtype)
 
 
 def check_divisible(layer: str, arg: str, value: int, by: int, why: str) -> None:

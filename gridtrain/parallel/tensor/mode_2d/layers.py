@@ -131,7 +131,7 @@ class Embedding(_GridModule):
         self.num_embeddings, self.embedding_dim = dense.num_embeddings, dense.embedding_dim
         self.padding_idx = dense.padding_idx
         self.shard("weight", both_axes(1, g))
-        self.own_forward = own_forward(self)
+        self.own_forward = own_forward(self, g.q)
 
     def forward(self, *args, **kwargs) -> Tensor:
         w = gather_col(self.weight, 1, self.grid)

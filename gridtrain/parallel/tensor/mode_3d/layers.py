@@ -134,7 +134,7 @@ class Embedding(_Orientation0):
         self.num_embeddings, self.embedding_dim = dense.num_embeddings, dense.embedding_dim
         self.padding_idx = dense.padding_idx
         self.shard("weight", hidden_spec(1, self.cube))
-        self.own_forward = own_forward(self)  # see mode_2d's Embedding
+        self.own_forward = own_forward(self, d * d)  # see mode_2d's Embedding
 
     def forward(self, *args, **kwargs) -> Tensor:
         w = comm.all_gather(self.weight, 1, self.cube.group(self.cube.pair))
