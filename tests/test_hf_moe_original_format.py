@@ -58,13 +58,14 @@ def per_expert(family: str, fused: dict[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def write_original(directory, family: str, model) -> None:
-    """``model``'s config and its weights in the original layout: two safetensors files
-    (alternate keys in each) and the index that maps them."""
+def write_original(directory, family: str, model, drop: str | None = None) -> None:
+    """``model``'s config and its weights in the original layout (without the key ``drop``):
+    two safetensors files (alternate keys in each) and the index that maps them."""
     from safetensors.torch import save_file
 
     model.config.save_pretrained(directory)
     state = per_expert(family, model.state_dict())
+    state.pop(drop, None)
     names = sorted(state)
     where = {k: f"model-0000{i % 2 + 1}-of-00002.safetensors" for i, k in enumerate(names)}
     for file in set(where.values()):
@@ -147,3 +148,23 @@ def test_per_expert_checkpoint_loads_fused(saved, layout):
         # (the experts' rows are summed per rank, the loss over data ranks), ~1e-7;
         # a wrong expert or a gate/up swap moves the loss by 1e-2 and more
         assert loss == pytest.approx(want_loss, rel=1e-5), (family, layout, loss, want_loss)
+
+
+def test_an_expert_short_is_refused_naming_the_fused_key(tmp_path):
+    """One process, no layout: a checkpoint that lacks one expert's up projection cannot be
+    fused; the error names the model's key and what it converts from, nothing is loaded."""
+    model = tiny_moe("mixtral")
+    write_original(
+        tmp_path, "mixtral", model, drop="model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    )
+    target = tiny_moe("mixtral")
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(1.0)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(gthf.PretrainedMismatchError) as err:
+        gthf.load_pretrained(target, tmp_path)
+    message = str(err.value)
+    assert "'model.layers.1.mlp.experts.gate_up_proj (converted from" in message, message
+    assert "block_sparse_moe.experts.0.w1.weight" in message, message
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
