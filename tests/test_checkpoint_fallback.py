@@ -93,12 +93,17 @@ def test_a_truncated_or_unmarked_latest_is_skipped_with_a_warning(tmp_path):
         assert gt.latest_checkpoint(ckpt) == ckpt / "epoch_1.pt"
     assert len(warnings) == 1 and "epoch_2.pt" in warnings[0], warnings
     assert "not a complete gridtrain checkpoint" in warnings[0]
+    # the resumed run replays epoch 2 and saves it again under the same name, over the file
+    # cut short (it was refused as 'not a gridtrain checkpoint', which ended the resume)
+    res = run_distributed(_fit, 2, str(ckpt), 2, True, False, config=TP2, timeout=TIMEOUT)[0]
+    assert res["loaded"] == "epoch_1.pt"
+    assert gt.latest_checkpoint(ckpt) == latest, "the replay's epoch 2 is whole"
     # a sharded directory that lost its completion marker is named too
     run_distributed(_fit, 2, str(tmp_path / "s"), 1, False, True, config=TP2, timeout=TIMEOUT)
     shutil.copytree(tmp_path / "s" / "epoch_1", ckpt / "epoch_3")
     (ckpt / "epoch_3" / files.MARKER).unlink()
     with gridtrain_warnings() as warnings:
-        assert gt.latest_checkpoint(ckpt) == ckpt / "epoch_1.pt"
+        assert gt.latest_checkpoint(ckpt) == latest
     assert [w for w in warnings if "epoch_3" in w and files.MARKER in w], warnings
     for path in (ckpt / "epoch_1.pt", ckpt / "epoch_2.pt"):
         path.unlink()

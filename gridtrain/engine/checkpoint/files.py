@@ -159,9 +159,23 @@ def is_dense_file(path: Path) -> bool:
     return isinstance(ckpt, dict) and ckpt.get("format") == 1 and "epoch" in ckpt
 
 
+def _cut_short_dense(path: Path) -> bool:
+    """A regular file that starts as ``torch.save`` starts one and ends neither with our seal
+    nor with a zip's end: a dense checkpoint cut short or damaged at its end (a crash, a full
+    disk, a bad block). ``latest_checkpoint`` skips it; the resumed run that saves the same
+    name again must be able to replace it."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+    except OSError:
+        return False
+    return integrity.dense_seal(path) == "none" and integrity.starts_as_torch_zip(path)
+
+
 def _ours(path: Path) -> bool:
-    """What a save may replace: a checkpoint of ours or an empty directory (nothing is lost)."""
-    if is_complete_dir(path) or is_dense_file(path):
+    """What a save may replace: a checkpoint of ours (whole, or a dense one cut short) or an
+    empty directory (nothing is lost)."""
+    if is_complete_dir(path) or is_dense_file(path) or _cut_short_dense(path):
         return True
     with _open_dir(path) as fd:
         return fd is not None and not os.listdir(fd)

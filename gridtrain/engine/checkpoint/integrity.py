@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import zlib
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,24 @@ def _crc_of(path: Path, length: int) -> int:
             crc = zlib.crc32(block, crc)
             length -= len(block)
     return crc
+
+
+_ZIP_ENTRY = b"PK\x03\x04"  # a zip's first local file header
+
+
+def starts_as_torch_zip(path: Path) -> bool:
+    """Whether ``path`` starts as ``torch.save`` starts a file: a zip whose first entry is
+    ``<archive>/data.pkl`` (so a dense checkpoint cut short still counts as one). Reads only
+    its beginning."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(30 + 256)
+    except OSError:
+        return False
+    if len(head) < 30 or head[:4] != _ZIP_ENTRY:
+        return False
+    name_len = struct.unpack_from("<H", head, 26)[0]
+    return head[30 : 30 + name_len].endswith(b"/data.pkl")
 
 
 def dense_seal(path: Path) -> str:

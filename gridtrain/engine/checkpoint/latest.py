@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import struct
 from pathlib import Path
 
 from gridtrain.engine.checkpoint import files, integrity
@@ -23,22 +22,6 @@ from gridtrain.engine.checkpoint.errors import CheckpointError
 from gridtrain.engine.checkpoint.sharded import read_marker
 
 logger = logging.getLogger("gridtrain")
-
-_ZIP_ENTRY = b"PK\x03\x04"  # a zip's first local file header
-
-
-def _torch_zip(path: Path) -> bool:
-    """Whether ``path`` starts as ``torch.save`` starts a file: a zip whose first entry is
-    ``<archive>/data.pkl`` (so a truncated dense checkpoint still counts as one)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(30 + 256)
-    except OSError:
-        return False
-    if len(head) < 30 or head[:4] != _ZIP_ENTRY:
-        return False
-    name_len = struct.unpack_from("<H", head, 26)[0]
-    return head[30 : 30 + name_len].endswith(b"/data.pkl")
 
 
 def candidates(directory: Path) -> list[tuple[int, str, Path]]:
@@ -61,7 +44,7 @@ def candidates(directory: Path) -> list[tuple[int, str, Path]]:
                 found.append((os.lstat(path / files.MARKER).st_mtime_ns, entry.name, path))
             elif _looks_sharded(path):
                 found.append((os.lstat(path).st_mtime_ns, entry.name, path))
-        elif stat.S_ISREG(mode) and _torch_zip(path):
+        elif stat.S_ISREG(mode) and integrity.starts_as_torch_zip(path):
             found.append((os.lstat(path).st_mtime_ns, entry.name, path))
     return sorted(found, reverse=True)
 
