@@ -16,12 +16,11 @@ import contextlib
 import io
 import os
 import re
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import forked
 from helpers.doc_refs import REPO, Command, Doc, resolve, scan_help, scan_markdown
 
 from gridtrain.cli.main import build_parser, main
@@ -78,25 +77,23 @@ def defined(tmp_path_factory) -> dict[tuple[str, str], Path]:
     return out
 
 
-def _help(script: str) -> subprocess.CompletedProcess:
+def _help(script: str) -> forked.Result:
     env = {k: v for k, v in os.environ.items() if k not in ("GRIDTRAIN_CONFIG", "RANK")}
-    return subprocess.run(
-        [sys.executable, str(REPO / script), "--help"],
-        capture_output=True, text=True, timeout=180, env=env, cwd=REPO.parent,
-    )  # fmt: skip
+    return forked.run([str(REPO / script), "--help"], REPO.parent, env, timeout=180)
 
 
 @pytest.fixture(scope="module")
-def script_help() -> dict[str, subprocess.CompletedProcess]:
+def script_help() -> dict[str, forked.Result]:
     """`python SCRIPT --help` of every repository script the docs run, and every demo's entry
-    script: each in its own interpreter, three at a time."""
+    script: each a process of its own (forked from a server that imported torch once,
+    ``helpers.forked``), two at a time."""
     scripts = set(DEMO_SCRIPTS)
     for _, cmd in COMMANDS:
         for i, word in enumerate(cmd.argv[1:]):
             script = (cmd.cwd / word).resolve()
             if word.endswith(".py") and cmd.argv[i] != "--config" and script.is_file():
                 scripts.add(str(script.relative_to(REPO)))
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(sorted(scripts), pool.map(_help, sorted(scripts)), strict=True))
 
 
