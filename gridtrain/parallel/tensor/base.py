@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.sharding import shard_shape, shard_tensor
 from gridtrain.parallel.tags import ShardSpec, as_spec, get_shard_spec, set_shard_spec
+from gridtrain.parallel.tensor.probe import PROBE_ROWS, stand_ins
 
 
 class CtxRef:
@@ -68,7 +69,7 @@ def own_forward(layer: ShardedModule, parts: int) -> bool:
     return own
 
 
-PROBE_ROWS, PROBE_TOKENS = 64, 8
+PROBE_TOKENS = 8
 
 
 def check_column_local(dense: nn.Embedding, parts: int) -> None:
@@ -84,12 +85,8 @@ def check_column_local(dense: nn.Embedding, parts: int) -> None:
     gen = torch.Generator().manual_seed(0)
     width = dense.embedding_dim
     rows = min(dense.num_embeddings, PROBE_ROWS)
-    tensors = {
-        name: _probe_tensor(t, gen)
-        for name, t in [*dense.named_parameters(), *dense.named_buffers()]
-        if name != "weight"
-    }
     table = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+    tensors = stand_ins(dense, gen, weight=table)
     ids = torch.ones(1, PROBE_TOKENS, dtype=torch.long)
     step = width // parts
     why = (
@@ -97,7 +94,7 @@ def check_column_local(dense: nn.Embedding, parts: int) -> None:
         f"its own, as it runs on a block of {step} of the {width} columns on each rank"
     )
     try:
-        full = torch.func.functional_call(dense, {**tensors, "weight": table}, (ids,))
+        full = torch.func.functional_call(dense, tensors, (ids,))
         blocks = [
             torch.func.functional_call(
                 dense, {**tensors, "weight": table[:, i * step : (i + 1) * step]}, (ids,)
@@ -113,13 +110,6 @@ def check_column_local(dense: nn.Embedding, parts: int) -> None:
             "computes something else: keep it whole with 'replicate' in parallel.tensor.plan "
             "under 1d, or use another tensor mode"
         )
-
-
-def _probe_tensor(t: Tensor, gen: torch.Generator) -> Tensor:
-    """A real stand-in for a (possibly meta) parameter or buffer of the probed embedding."""
-    if t.is_floating_point():
-        return torch.randn(t.shape, generator=gen, dtype=torch.float64)
-    return torch.ones(t.shape, dtype=t.dtype)
 
 
 def check_divisible(layer: str, arg: str, value: int, by: int, why: str) -> None:

@@ -25,6 +25,7 @@ from gridtrain.config import STYLES
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind
+from gridtrain.parallel.tensor.probe import computes_linear
 from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF
 from gridtrain.parallel.tensor.trace import OPAQUE as OPAQUE_HOW
 
@@ -73,7 +74,7 @@ def kind_of(module: nn.Module) -> str | None:
         return OPAQUE  # already parallel (a gridtrain layer, or sharded by hand with tags)
     if isinstance(module, nn.MultiheadAttention):
         return ATTENTION
-    if isinstance(module, nn.Linear) or is_conv1d(module):
+    if (isinstance(module, nn.Linear) and computes_linear(module)) or is_conv1d(module):
         return LINEAR
     if isinstance(module, nn.Embedding):
         return EMBEDDING
