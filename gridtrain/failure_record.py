@@ -101,8 +101,13 @@ def _report(kind: type, value: BaseException, tb, where: Path | None) -> tuple[b
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return printed, False
-    with open(path, "w") as f:
+    # whole or absent: the agent reads it (json.load, re-raised: gridtrain run died of a
+    # JSONDecodeError) while it may be killing this process mid-write (SIGTERM after a peer's
+    # failure), so write a temporary beside it and rename
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
         json.dump(error_record(kind, value, tb, printed), f)
+    os.replace(temporary, path)
     return printed, True
 
 
