@@ -78,7 +78,9 @@ def test_a_linear_subclass_keeps_its_forward_under_1d(kind, head_share):
     losses = torch.tensor(global_losses(runs), dtype=torch.float64)
     # float64: a split Linear only reorders sums (measured <= 1e-15); a dropped extra path or
     # scale moves the loss by O(1e-1)
-    torch.testing.assert_close(losses, torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        losses, torch.tensor(ref.losses, dtype=torch.float64), rtol=1e-10, atol=1e-12
+    )
     for run in runs:
         for key, value in ref.state.items():
             torch.testing.assert_close(run.state[key], value, rtol=1e-8, atol=1e-10, msg=key)
