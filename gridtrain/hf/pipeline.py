@@ -76,6 +76,7 @@ def _pipeline_plan(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
     ordered = {prefix + k: v for k, v in base.items()}
     ordered.update({k: v for k, v in plan.items() if k.startswith(prefix) and k not in ordered})
     ordered.update({k: v for k, v in plan.items() if k not in ordered})
+    _refuse_missing(model, ordered)
     covered = {id(p) for k in ordered for p in model.get_submodule(k).parameters()}
     outside = [n for n, p in model.named_parameters() if id(p) not in covered]
     if not plan or outside:
@@ -87,6 +88,19 @@ def _pipeline_plan(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
             "layout without parallel.pipeline"
         )
     return ordered
+
+
+def _refuse_missing(model: nn.Module, plan: dict) -> None:
+    """A plan naming a module the model lacks (HRM's config inherits Llama's ``layers`` while
+    its blocks live in an ``L_module`` and an ``H_module`` run in cycles) cannot cut it."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    missing = [path for path in plan if path not in modules]
+    if missing:
+        raise PlanError(
+            f"{type(model).__name__}'s pipeline plan (transformers' _pp_plan) names "
+            f"{missing}, which the model does not have: its layers are arranged otherwise "
+            "and pipeline parallelism cannot cut it; use a layout without parallel.pipeline"
+        )
 
 
 def _forward_parameters(model: nn.Module) -> set[str]:
