@@ -24,8 +24,11 @@ and switches the model to it, so the model's own code runs ring attention:
   and refuses ``labels=``: HF's loss shifts labels by one inside the model, which would
   cross shards; labels are shifted by the user before the batch is split.
 
-``install`` runs the model once on the meta device after switching it, so that an argument
-or a mask pattern ring attention refuses is refused at ``gt.initialize``.
+``install`` first refuses layers ring attention does not cover and code that mixes positions
+outside attention (``sequence_checks.py``: linear attention, convolutions, chunked attention,
+random draws outside dropout), then runs the model's training forward once on the meta device
+after switching it, called as a step calls it, so that an argument, a mask pattern or keys
+cached during the forward (Dory) ring attention refuses is refused at ``gt.initialize``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gridtrain.hf.sequence_checks import RandomDraws, refuse_unsupported_layers, training
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
@@ -101,6 +105,7 @@ def ring_attention_forward(
 ) -> tuple[Tensor, None]:
     """``transformers``' attention signature: ``[B, H, s, D]`` in, ``[B, s, H, D]`` out."""
     _refuse_unknown(module, kwargs)
+    _refuse_cached_keys(module, query, key)
     causal, window, padding = _pattern(module, attention_mask, is_causal, sliding_window, query)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: one kv head per group
         groups = query.shape[1] // key.shape[1]
@@ -120,6 +125,21 @@ def _refuse_unknown(module: nn.Module, kwargs: dict[str, Any]) -> None:
             f"sequence parallelism: {_model_name(module)}'s attention passes {name}={shown}, "
             f"which ring attention does not implement; use a layout without tensor mode "
             f"'sequence' for this model"
+        )
+
+
+def _refuse_cached_keys(module: nn.Module, query: Tensor, key: Tensor) -> None:
+    """Keys beyond the query's positions come from a key/value cache filled during this
+    forward (Dory's recurrent loops attend to the keys of earlier passes when ``use_cache``
+    is on); ring attention attends over the sequence's own positions only."""
+    if key.shape[2] != query.shape[2]:
+        raise PlanError(
+            f"sequence parallelism: {_model_name(module)}'s attention is given {key.shape[2]} "
+            f"keys for {query.shape[2]} positions (keys cached earlier in the forward: "
+            f"use_cache={getattr(module.config, 'use_cache', None)} in its config); ring "
+            "attention attends over the sequence's own positions only: set "
+            "model.config.use_cache = False before gt.initialize if the model trains without "
+            "its cache, else use a layout without tensor mode 'sequence'"
         )
 
 
@@ -215,6 +235,7 @@ def install(model: nn.Module, ctx: ParallelContext) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    refuse_unsupported_layers(model)
     AttentionInterface.register(NAME, ring_attention_forward)
     AttentionMaskInterface.register(NAME, ring_mask)
     try:
@@ -228,16 +249,26 @@ def install(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def _dry_run(model: nn.Module) -> None:
-    """The model's forward on meta (no memory, no compute, no collective): a ``PlanError`` from
-    the attention or the mask function surfaces at ``gt.initialize``."""
+    """The model's training forward on meta (no memory, no compute, no collective): a
+    ``PlanError`` from the attention or the mask function, or a random draw outside dropout
+    (``sequence_checks.RandomDraws``), surfaces at ``gt.initialize``. Run without a cache,
+    then, where the config turns the cache on, as a step calls it (Dory attends to keys it
+    cached earlier in the same forward)."""
     ids = torch.zeros((1, 4), dtype=torch.long)
-    example = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
-    try:
-        run_on_meta(model, example)
-    except PlanError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a model that cannot run on meta: the first step checks
-        logger.debug("ring attention: no dry run of %s on meta (%s)", type(model).__name__, err)
+    call = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    calls = [{**call, "use_cache": False}] + (
+        [call] if getattr(model.config, "use_cache", False) else []
+    )
+    draws = RandomDraws(model)
+    for example in calls:
+        try:
+            with training(model):
+                run_on_meta(model, example, modes=(draws,))
+        except PlanError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a model that cannot run on meta: the first step checks
+            logger.debug("ring attention: no dry run of %s on meta (%s)", type(model).__name__, err)
+        draws.refuse()  # also when the run stopped later: what was drawn before is known
 
 
 def _global_positions(ctx: ParallelContext):
