@@ -38,6 +38,7 @@ from gridtrain.parallel.sharding import dense_shape
 from gridtrain.parallel.tensor.plan import PlanError
 
 logger = logging.getLogger("gridtrain")
+UNEVEN = 1.5  # a stage holding more than this times an even share of the parameters is named
 
 __all__ = [
     "METHODS",
@@ -160,10 +161,33 @@ def build_stage(
         if pid in new_of:
             tags.mark_pipeline_shared(new_of[pid], tie)
     module.stage_table = stage_table(method, bounds, [n for n, _ in layers], costs, pipeline_size)
+    if stage == 0:
+        _warn_uneven(module.stage_table, [n for n, _ in layers], costs)
     logger.info(
         "pipeline stage %d/%d keeps %s\n%s", stage, pipeline_size, chunks, module.stage_table
     )
     return module, new_of
+
+
+def _warn_uneven(table: StageTable, names: list[str], costs) -> None:
+    """One line when a stage holds over ``UNEVEN`` times an even share of the parameters
+    because one layer alone holds more than that share (no cut between layers avoids it)."""
+    stages = len(table.rows)
+    even = 1 / stages
+    heaviest = max(range(stages), key=table.share)
+    total = costs.total_params or 1
+    big = max(range(len(names)), key=lambda i: costs.span_params(i, i + 1))
+    big_share = costs.span_params(big, big + 1) / total
+    if table.share(heaviest) > UNEVEN * even and big_share > even:
+        logger.warning(
+            "pipeline: stage %d holds %.2f of the model's parameters (an even cut: %.2f): its "
+            "layer %r alone holds %.2f, and stages are cut between layers",
+            heaviest,
+            table.share(heaviest),
+            even,
+            names[big],
+            big_share,
+        )
 
 
 def _materialised(modules: list[nn.Module], device: torch.device | None) -> dict[int, nn.Parameter]:
