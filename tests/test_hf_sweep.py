@@ -7,10 +7,12 @@ The families are ``transformers``' own list (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 class once, built tiny by ``helpers.hf_zoo`` (2 layers, hidden 32, vocabulary 64, 8 tokens,
 2 steps); ``hf_sweep_table.SKIPPED`` lists those left out and why (found by building each:
 ``hf_zoo.survey()``). ``make test`` sweeps ``QUICK`` (the families issue 32 names and one of
-each other kind of code, 30 and more); ``GT_SWEEP=all`` (or ``python tests/test_hf_sweep.py
-all``, which prints the table) sweeps every family. One distributed call per layout runs
-every family in turn (``gt.initialize`` many times in one launch); float64, or float32
-where the family's MoE kernels take no float64.
+each other kind of code, 30; ``QUICK_2D`` of them under 2d4) and ``QUICK_EXTRA`` (the refusals
+no other family shows); ``GT_SWEEP=all`` (or ``python tests/test_hf_sweep.py all``, which
+prints the table; ``... dory,llama seq2`` prints those cells) sweeps every family. One
+distributed call per layout runs every family in turn (``gt.initialize`` many times in one
+launch), and one more the plain runs, half on each process; float64, or float32 where the
+family's MoE kernels take no float64.
 
 Equal means: the global losses of both steps, every parameter's first-step gradient (read
 off SGD's momentum) and ``gt.full_state_dict`` after training (every key of the dense
@@ -70,17 +72,36 @@ QUICK = [
     *("falcon", "bloom", "mpt", "xglm", "biogpt", "stablelm", "nemotron", "nanochat"),
     *("mixtral", "qwen3_moe", "mamba", "gpt_bigcode", "jetmoe"),
 ]
+# 2d4 runs 4 ranks on CI's 2 cores, each importing every family's code: make test sweeps the
+# named families there and one of each 2d outcome (norm forms, experts, fused and unequal blocks)
+QUICK_2D = [
+    *("gpt_neox", "opt", "qwen3", "gemma2", "olmo2", "starcoder2", "granite", "cohere"),
+    *("llama", "gemma", "phi3", "gpt2", "nemotron", "nanochat", "mixtral", "mamba"),
+    "gpt_bigcode",
+]
+# cells make test adds: each refusal issue 32 added for what a layout cannot run exactly
+# (refused at gt.initialize: no step, no plain run)
+QUICK_EXTRA = {"seq2": ["minimax", "phimoe", "dory", "llama4_text"], "pp2": ["hrm_text"]}
 
 
-def families() -> list[str]:
-    """The swept model types: ``QUICK``; with ``GT_SWEEP=all`` every causal LM class of
+def families(layout_name: str | None = None) -> list[str]:
+    """The model types swept under ``layout_name`` (None: under any): ``QUICK`` (``QUICK_2D``
+    under 2d4) and ``QUICK_EXTRA``; with ``GT_SWEEP=all`` every causal LM class of
     ``transformers`` but ``SKIPPED``; with ``GT_SWEEP=llama,opt`` those."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     which = os.environ.get("GT_SWEEP", "")
     if which == "all":
         return [m for m in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if m not in SKIPPED]
-    return which.split(",") if which else QUICK
+    if which:
+        return which.split(",")
+    if layout_name is None:
+        return list(dict.fromkeys([*QUICK, *(f for x in QUICK_EXTRA.values() for f in x)]))
+    return (QUICK_2D if layout_name == "2d4" else QUICK) + QUICK_EXTRA.get(layout_name, [])
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return torch.float32 if name in FLOAT32 else torch.float64
 
 
 def lm_loss(out, labels):
@@ -100,14 +121,34 @@ def batches() -> list:
 
 
 @cache
-def reference() -> dict[str, tuple[torch.dtype, object]]:
-    """Family -> (its dtype, its plain run)."""
-    out = {}
-    for name in families():
-        dtype = torch.float32 if name in FLOAT32 else torch.float64
-        build = functools.partial(hf_zoo.build, name, dtype)
-        out[name] = dtype, reference_run(build, batches(), dense_loss, sgd)
-    return out
+def reference() -> dict[str, object]:
+    """Family -> its plain run (``reference_run``: one process, no gridtrain), for every
+    family a layout may find equal (``EXPECTED`` refuses the others everywhere), computed on
+    the test pool's two processes, half each (they import the families' code the layouts run
+    next)."""
+    names = [n for n in families() if set(LAYOUTS) - set(EXPECTED.get(n, {}))]
+    ranks = run_distributed(_plain_runs, 2, names, batches(), timeout=900)
+    return {name: run for runs in ranks for name, run in runs.items()}
+
+
+def _plain_runs(ctx, names: list[str], data) -> dict:
+    """This process's share of ``names``, each trained in plain PyTorch (the launched context
+    is not used)."""
+    mine = names[ctx.global_rank :: ctx.world_size()]
+    return {
+        n: reference_run(functools.partial(hf_zoo.build, n, dtype_of(n)), data, dense_loss, sgd)
+        for n in mine
+    }
+
+
+@cache
+def plain_run(name: str):
+    """``name``'s plain run: ``reference()``'s, else computed here (a family ``EXPECTED``
+    refuses everywhere that a layout found equal)."""
+    ref = reference().get(name)
+    return ref or reference_run(
+        functools.partial(hf_zoo.build, name, dtype_of(name)), batches(), dense_loss, sgd
+    )
 
 
 def _cell(ctx, name: str, dtype, data) -> dict:
@@ -159,14 +200,13 @@ def _sweep(ctx, names: list[tuple[str, torch.dtype]], data) -> dict:
 def layout(name: str) -> dict[str, list[dict]]:
     """Family -> every rank's cell, for one layout (one distributed call)."""
     world, config = LAYOUTS[name]
-    names = [(n, dtype) for n, (dtype, _) in reference().items()]
+    names = [(n, dtype_of(n)) for n in families(name)]
     ranks = run_distributed(_sweep, world, names, batches(), config=config, timeout=900)
     return {family: [r[family] for r in ranks] for family, _ in names}
 
 
 def verdict(family: str, layout_name: str) -> str:
     """'=' when the cell equals one process (asserted), else the refusal's message."""
-    dtype, ref = reference()[family]
     cells = layout(layout_name)[family]
     errors = [c["error"] for c in cells if "error" in c]
     assert not errors, f"{family} under {layout_name} failed:\n{errors[0]}"
@@ -174,7 +214,7 @@ def verdict(family: str, layout_name: str) -> str:
     if refused != {None}:
         assert None not in refused, f"{family} under {layout_name}: refused on some ranks only"
         return refused.pop()
-    tol, tag = TOL[dtype], f"{family} {layout_name}"
+    ref, tol, tag = plain_run(family), TOL[dtype_of(family)], f"{family} {layout_name}"
     torch.testing.assert_close(global_losses([c["losses"] for c in cells]), ref.losses, **tol)
     rank0 = cells[0]
     assert set(rank0["state"]) == set(ref.state), f"{tag}: state dict keys differ"
@@ -205,7 +245,7 @@ def test_every_family(layout_name):
     """Every family equals one process, or is refused for the reason ``EXPECTED`` gives; the
     ``KNOWN`` defects of other parts (GT_SWEEP=all only) are reported, not asserted."""
     got, want = {}, {}
-    for family in families():
+    for family in families(layout_name):
         if layout_name in KNOWN.get(family, {}):
             continue
         got[family] = reason_of(verdict(family, layout_name))
@@ -223,12 +263,13 @@ def main(which: str, layouts: str) -> None:
         start = time.perf_counter()
         layout(layout_name)
         print(f"# {layout_name}: {time.perf_counter() - start:.1f} s", flush=True)
-        for family in families():
+        for family in families(layout_name):
             try:
                 v = verdict(family, layout_name)
                 print(f"{layout_name} {family} {reason_of(v)!r} {v[:300]!r}", flush=True)
             except AssertionError as err:
-                print(f"{layout_name} {family} FAILED {str(err)[:3000]!r}", flush=True)
+                text = str(err)  # a traceback's last lines say what failed
+                print(f"{layout_name} {family} FAILED {text[:200] + text[-2500:]!r}", flush=True)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,11 @@ REASONS = [
     ("gridtrain hands fused experts", "experts' forward signature"),
     ("cannot be applied under sequence parallelism", "a mask ring attention cannot apply"),
     ("no pipeline plan", "no pipeline plan"),
+    ("which the model does not have", "pipeline plan names absent modules"),
+    ("mixes positions outside attention", "positions mixed outside attention"),
+    ("'chunked_attention' layer", "chunked attention"),
+    ("draws random numbers", "random draws outside dropout"),
+    ("keys cached earlier in the forward", "keys cached in the forward"),
 ]
 
 # family -> {layout: reason} for every refused cell; any other cell must equal one process
@@ -202,6 +207,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "1d2": "code fails on a rank's shapes",
         "2d4": "parameters outside shardable layers",
         "pp2": "no pipeline plan",
+        "seq2": "keys cached in the forward",
     },
     "dots1": {"2d4": "experts under a grid"},
     "ernie4_5_moe": {"2d4": "experts under a grid"},
@@ -247,7 +253,10 @@ EXPECTED: dict[str, dict[str, str]] = {
         "pp2": "no pipeline plan",
     },
     "granitemoeshared": {"2d4": "experts under a grid", "pp2": "no pipeline plan"},
-    "hrm_text": {"2d4": "weightless norm under a grid"},
+    "hrm_text": {
+        "2d4": "weightless norm under a grid",
+        "pp2": "pipeline plan names absent modules",
+    },
     "hunyuan_v1_dense": {"pp2": "no pipeline plan"},
     "hunyuan_v1_moe": {"2d4": "experts under a grid", "pp2": "no pipeline plan"},
     "hy_v3": {"2d4": "experts under a grid"},
@@ -263,6 +272,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "1d2": "code fails on a rank's shapes",
         "2d4": "weightless norm under a grid",
         "pp2": "no pipeline plan",
+        "seq2": "chunked attention",
     },
     "mamba": {
         "1d2": "split and whole inputs mixed",
@@ -272,7 +282,11 @@ EXPECTED: dict[str, dict[str, str]] = {
     },
     "mellum": {"2d4": "experts under a grid"},
     "mimo_v2_flash": {"1d2": "code fails on a rank's shapes", "2d4": "experts under a grid"},
-    "minimax": {"1d2": "code fails on a rank's shapes", "2d4": "experts under a grid"},
+    "minimax": {
+        "1d2": "code fails on a rank's shapes",
+        "2d4": "experts under a grid",
+        "seq2": "positions mixed outside attention",
+    },
     "minimax_m2": {"2d4": "experts under a grid"},
     "mixtral": {"2d4": "experts under a grid"},
     "modernbert-decoder": {"pp2": "no pipeline plan"},
@@ -293,6 +307,7 @@ EXPECTED: dict[str, dict[str, str]] = {
         "1d2": "code fails on a rank's shapes",
         "2d4": "experts under a grid",
         "pp2": "no pipeline plan",
+        "seq2": "random draws outside dropout",
     },
     "qwen2_moe": {"2d4": "experts under a grid"},
     "qwen3_moe": {"2d4": "experts under a grid"},
@@ -306,15 +321,6 @@ EXPECTED: dict[str, dict[str, str]] = {
     },
 }
 
-# family -> {layout: why}: cells that fail for a defect outside the tensor planner (issue 32
-# items 1 and 2, the pipeline and sequence code); reported by ``main``, not asserted
-KNOWN: dict[str, dict[str, str]] = {
-    "minimax": {
-        "seq2": "silently wrong: its linear-attention layers see this rank's positions only"
-    },
-    "phimoe": {"seq2": "silently wrong under ring attention (cause not isolated)"},
-    "dory": {"seq2": "fails at the first step under ring attention, not at initialize"},
-    "llama4_text": {"seq2": "fails at the first step under ring attention, not at initialize"},
-    "hrm_text": {"pp2": "fails at initialize with AttributeError (its _pp_plan names no layers)"},
-    "gemma4_unified_text": {"pp2": "equal, but one stage holds 0.96 of the parameters"},
-}
+# family -> {layout: why}: cells that fail for a defect outside the tensor planner, reported by
+# ``main``, not asserted (none left: every cell equals one process or is refused by name)
+KNOWN: dict[str, dict[str, str]] = {}

@@ -47,6 +47,8 @@ CONFIG: dict[str, dict] = {
     "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
     "xglm": dict(ffn_dim=64),
     "rembert": dict(input_embedding_size=32, output_embedding_size=32),
+    # its full-attention layers' own head_dim (512) would make one layer 0.91 of the model
+    "gemma4_unified_text": dict(global_head_dim=8),
 }
 # model types whose class name does not say they are no text model
 NOT_TEXT = {
