@@ -33,6 +33,7 @@ cached during the forward (Dory) ring attention refuses is refused at ``gt.initi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -249,26 +250,38 @@ def install(model: nn.Module, ctx: ParallelContext) -> None:
 
 
 def _dry_run(model: nn.Module) -> None:
-    """The model's training forward on meta (no memory, no compute, no collective): a
-    ``PlanError`` from the attention or the mask function, or a random draw outside dropout
-    (``sequence_checks.RandomDraws``), surfaces at ``gt.initialize``. Run without a cache,
-    then, where the config turns the cache on, as a step calls it (Dory attends to keys it
-    cached earlier in the same forward)."""
+    """The model's forward on meta (no memory, no compute, no collective): a ``PlanError``
+    from the attention or the mask function, or a random draw outside dropout
+    (``sequence_checks.RandomDraws``), surfaces at ``gt.initialize``. Run as the model is,
+    without a cache, then in training mode as a step calls it (the config's ``use_cache``:
+    Dory attends to keys it cached earlier in the same forward)."""
     ids = torch.zeros((1, 4), dtype=torch.long)
     call = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    calls = [{**call, "use_cache": False}] + (
-        [call] if getattr(model.config, "use_cache", False) else []
-    )
+    runs = [(contextlib.nullcontext, {**call, "use_cache": False}), (training, call)]
     draws = RandomDraws(model)
-    for example in calls:
+    for mode, example in runs:
         try:
-            with training(model):
+            with mode(model):
                 run_on_meta(model, example, modes=(draws,))
         except PlanError:
             raise
         except Exception as err:  # noqa: BLE001 - a model that cannot run on meta: the first step checks
+            _refuse_mask_reader(model, err)
             logger.debug("ring attention: no dry run of %s on meta (%s)", type(model).__name__, err)
         draws.refuse()  # also when the run stopped later: what was drawn before is known
+
+
+def _refuse_mask_reader(model: nn.Module, err: Exception) -> None:
+    """A model whose own code computes with the mask (Doge builds a dynamic mask from its
+    values) fails on the ``RingMask`` pattern the mask function hands on: refused by name."""
+    if type(err) in (AttributeError, TypeError) and "RingMask" in str(err):
+        raise PlanError(
+            f"sequence parallelism: {type(model).__name__}'s own code computes with its "
+            f"attention mask ({type(err).__name__}: {err}); a mask built from a rank's part of "
+            "the sequence cannot be applied under sequence parallelism: ring attention takes "
+            "the mask pattern (causal, bidirectional or a causal sliding window) only; use a "
+            "layout without tensor mode 'sequence' for this model"
+        ) from err
 
 
 def _global_positions(ctx: ParallelContext):
