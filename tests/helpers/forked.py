@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _CTX = None
+# what the server imports once; every process forked from it (these runs, and the pool of
+# helpers.harness) starts with them loaded
+PRELOAD = ["torch", "torch.distributed", "gridtrain", "gridtrain.engine", "gridtrain.cli.main"]
 
 
 @dataclass
@@ -36,11 +39,12 @@ class Result:
     stderr: str
 
 
-def _context():
+def context():
+    """The multiprocessing context whose processes fork from the preloaded server."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "gridtrain", "gridtrain.cli.main"])
+        _CTX.set_forkserver_preload(PRELOAD)
     return _CTX
 
 
@@ -81,7 +85,7 @@ def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: 
 
     Returns a ``Result``; a run past ``timeout`` seconds is killed and raises TimeoutError.
     """
-    ctx = _context()
+    ctx = context()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "out"), Path(tmp, "err")
         out.touch()

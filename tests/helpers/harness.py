@@ -7,12 +7,13 @@ ranks sharing the GPU instead (tests/gpu), collectives through gloo on host copi
 rank's traceback; ranks left waiting in a collective are killed after a short
 grace instead of hanging, and so is a call that exceeds its timeout.
 
-Workers are spawned once (importing torch is most of the start-up) and reused by
-later calls. The pool starts as many workers as the machine has cores and grows only
-when a call needs more ranks, so a 2-core machine runs most tests on 2 processes; a
-call in which a rank raised keeps the pool when every rank reported (the failure
-is the test's point, nothing is left waiting), and only a call with a rank that
-never reported (stuck in a collective, timed out, crashed) discards it.
+Workers start once and are reused by later calls; each is forked from a server that
+imported torch and gridtrain once (``helpers.forked``), so starting one, growing the pool
+or replacing a discarded one costs no import. The pool starts as many workers as the
+machine has cores and grows only when a call needs more ranks, so a 2-core machine runs
+most tests on 2 processes; a call in which a rank raised keeps the pool when every rank
+reported (the failure is the test's point, nothing is left waiting), and only a call with
+a rank that never reported (stuck in a collective, timed out, crashed) discards it.
 
 A rank's result leaves it as owned CPU copies: every tensor is copied to the host
 before the rank tears down (a CUDA tensor would cross as an IPC handle on memory the rank
@@ -33,6 +34,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from helpers import forked
 
 MAX_WORKERS = 8  # the largest world a test may ask for
 GRACE_S = 5.0  # after one rank fails, how long the others get to report
@@ -123,8 +126,8 @@ def initial_size() -> int:
 
 class _Pool:
     def __init__(self, size: int):
-        self._mp = mp.get_context("spawn")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # before the server starts
+        self._mp = forked.context()
         self.results: mp.Queue = self._mp.Queue()
         self.tasks: list[mp.Queue] = []
         self.procs: list = []
