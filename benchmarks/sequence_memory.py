@@ -34,7 +34,7 @@ import gridtrain as gt
 from gridtrain.parallel import comm
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor import sequence
-from gridtrain.parallel.tensor.sequence.ring_attention import online_attention, standard_attention
+from gridtrain.parallel.tensor.sequence.ring import online_attention, standard_attention
 
 
 class Block(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from helpers.harness import run_distributed
 
 from gridtrain.parallel.tensor.sequence import ring_attention
-from gridtrain.parallel.tensor.sequence.ring_attention import _keep_mask
+from gridtrain.parallel.tensor.sequence.ring import _keep_mask
 
 B, H, S, D = 2, 2, 8, 4
 MASKS = ("none", "causal", "padding", "causal+padding")
@@ -80,7 +80,7 @@ def _dropout_errors(ctx):
     mine = slice(r * s, (r + 1) * s)
     q, k, v, dout, pad = _inputs(torch.float64)
     seed = 1234 + r  # ring_attention draws a per-rank seed; here it is fixed to rebuild the masks
-    from gridtrain.parallel.tensor.sequence.ring_attention import online_attention
+    from gridtrain.parallel.tensor.sequence.ring import online_attention
 
     ql, kl, vl = (t[:, :, mine].clone().requires_grad_() for t in (q, k, v))
     out = online_attention(

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from demos.moe.model import MoeCriterion, WideNet, WideNetConfig  # noqa: E402
-from gridtrain.parallel.zero.rows import get_zero_rows  # noqa: E402
+from gridtrain.parallel.rows import get_zero_rows  # noqa: E402
 
 CFG = WideNetConfig(  # as test_moe_parity: capacity 16 drops no token
     img_size=8,

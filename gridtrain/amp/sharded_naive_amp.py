@@ -21,7 +21,7 @@ from gridtrain.amp.scaler import DynamicLossScaler
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.zero.rows import local
+from gridtrain.parallel.rows import local
 
 
 class ShardedNaiveAmpOptimizer(AmpOptimizer):

@@ -5,7 +5,9 @@ One module per section (``parallel``, ``tensor``, ``pipeline``, ``fp16``, ``zero
 ``activation_checkpoint``, ``fp8``), the root with the top-level keys (``schema``), file
 reading with the strict YAML loader (``loading``), the bounds every number is held to
 (``limits``) and the error type with its quoting and suggestions (``errors``). This package
-imports nothing else of gridtrain; every other layer imports what it needs from here.
+imports nothing else of gridtrain but the tensor modes' torch-free geometry
+(``gridtrain.parallel.tensor.modes``: mode names, size rules); every other layer imports
+what it needs from here.
 """
 
 from gridtrain.config.activation_checkpoint import ActivationCheckpointConfig

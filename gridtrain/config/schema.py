@@ -9,7 +9,7 @@ closest key. UPPER_CASE keys are free user constants, readable as attributes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -33,6 +33,9 @@ from gridtrain.config.loading import read_config_file
 from gridtrain.config.moe import MoeConfig
 from gridtrain.config.parallel import ParallelConfig
 from gridtrain.config.zero import ZeroConfig
+
+if TYPE_CHECKING:
+    from gridtrain.config.tensor import ModeGeometry
 
 
 class Config(BaseModel):
@@ -171,6 +174,11 @@ class Config(BaseModel):
     def tensor_mode(self) -> str | None:
         """The tensor-parallel mode (``parallel.tensor.mode``), None without one."""
         return self.parallel.tensor.mode
+
+    @property
+    def tensor_geometry(self) -> ModeGeometry:
+        """The tensor mode's torch-free geometry: its groups, sizes and cost formulas."""
+        return self.parallel.tensor.geometry
 
     def data_size(self, world_size: int) -> int:
         """The data-parallel size world / (pipeline x tensor); raises if it does not divide."""

@@ -3,21 +3,24 @@ config may name.
 
 The styles are defined here, at the config level, so the schema validates a plan without
 importing the planner that applies them (``gridtrain.parallel.tensor.plan`` reads
-``STYLES``).
+``STYLES``). The mode names and each mode's size rules are the modes' own: their torch-free
+geometry, registered in ``gridtrain.parallel.tensor.modes``, which the section reads.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from gridtrain.config.errors import quote, unknown
 from gridtrain.config.limits import Count
 from gridtrain.config.section import Section
+from gridtrain.parallel.tensor.geometry import ModeGeometry
+from gridtrain.parallel.tensor.modes import geometry_of, mode_names, names_where
 
-TENSOR_MODES = ("1d", "2d", "2.5d", "3d", "sequence")
+TENSOR_MODES = mode_names()  # the built-in modes; ``modes.register_mode`` adds others
 
 # the layer styles a tensor-parallel plan may name (the Hugging Face ``tp_plan`` vocabulary,
 # plus gridtrain's own), each with what it does
@@ -50,7 +53,7 @@ class TensorConfig(Section):
     """``parallel.tensor``: how each model replica's layers are split."""
 
     size: Count = Field(1, description="processes in one tensor-parallel group")
-    mode: Literal[TENSOR_MODES] | None = Field(
+    mode: str | None = Field(
         None, description="tensor-parallel algorithm; None means no tensor parallelism"
     )
     depth: Count = Field(1, description="2.5d only: number of q x q layers")
@@ -63,6 +66,23 @@ class TensorConfig(Section):
         description="module-name pattern -> style (gridtrain.config.STYLES); "
         "None: the model's own plan or one traced from the data flow",
     )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _known_mode(cls, mode: Any) -> Any:
+        """A registered mode's name (refused in pydantic's words for a fixed choice)."""
+        names = mode_names()
+        if mode is not None and (not isinstance(mode, str) or mode not in names):
+            expected = " or ".join([", ".join(repr(n) for n in names[:-1]), repr(names[-1])])
+            raise PydanticCustomError(
+                "literal_error", "Input should be {expected}", {"expected": expected}
+            )
+        return mode
+
+    @property
+    def geometry(self) -> ModeGeometry:
+        """The mode's torch-free geometry (``gridtrain.parallel.tensor.geometry``)."""
+        return geometry_of(self.mode)
 
     @field_validator("plan")
     @classmethod
@@ -78,24 +98,19 @@ class TensorConfig(Section):
     @model_validator(mode="after")
     def _layout(self) -> TensorConfig:
         """The sizes each mode's grid needs, checked before any process group exists."""
-        size, mode, depth = self.size, self.mode, self.depth
+        size, mode, depth, geometry = self.size, self.mode, self.depth, self.geometry
         if mode is None and size > 1:
-            raise ValueError(f"tensor size {size} needs a mode, one of {', '.join(TENSOR_MODES)}")
-        if depth != 1 and mode != "2.5d":
-            raise ValueError(f"tensor depth {depth} is only used by mode '2.5d', got mode {mode!r}")
-        if "ring_attention" in self.model_fields_set and mode != "sequence":
+            raise ValueError(f"tensor size {size} needs a mode, one of {', '.join(mode_names())}")
+        if depth != 1 and not geometry.uses_depth:
+            users = names_where(lambda g: g.uses_depth)
             raise ValueError(
-                f"ring_attention={self.ring_attention!r} is only used by mode 'sequence', "
-                f"got mode {mode!r}; remove it or set mode='sequence'"
+                f"tensor depth {depth} is only used by mode {users}, got mode {mode!r}"
             )
-        if mode == "2d" and math.isqrt(size) ** 2 != size:
-            raise ValueError(f"2d needs a square tensor size, got {size}")
-        if mode == "2.5d":
-            q2, rest = divmod(size, depth)
-            if rest or math.isqrt(q2) ** 2 != q2:
-                raise ValueError(
-                    f"2.5d needs tensor size = depth x q^2, got size {size} with depth {depth}"
-                )
-        if mode == "3d" and round(size ** (1 / 3)) ** 3 != size:
-            raise ValueError(f"3d needs a cubic tensor size (1, 8, 27, ...), got {size}")
+        if "ring_attention" in self.model_fields_set and not geometry.splits_sequence:
+            users = names_where(lambda g: g.splits_sequence)
+            raise ValueError(
+                f"ring_attention={self.ring_attention!r} is only used by mode {users}, "
+                f"got mode {mode!r}; remove it or set mode={users}"
+            )
+        geometry.check(size, depth)
         return self

@@ -24,8 +24,8 @@ from torch import Tensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.rows import local, zero_world
 from gridtrain.parallel.tags import get_shard_spec, is_pipeline_shared
-from gridtrain.parallel.zero.rows import local, zero_world
 
 EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
@@ -36,7 +36,7 @@ def copies(param: Tensor, ctx: ParallelContext) -> int:
     Within one pipeline stage the data x tensor ranks hold ``prod(world sizes of
     the spec's modes)`` distinct shards, each as often as the rest; a tied
     weight tagged pipeline-shared (``tags.mark_pipeline_shared``) also lives on a second stage.
-    ZeRO rows of a shard (``zero.rows``) are split over the shard's data-parallel group.
+    ZeRO rows of a shard (``parallel.rows``) are split over the shard's data-parallel group.
     """
     replicas = ctx.world_size(ParallelMode.DATA) * ctx.world_size(ParallelMode.TENSOR)
     shards = math.prod(ctx.world_size(mode) for _, mode, _ in get_shard_spec(param))

@@ -188,7 +188,7 @@ class Engine:
             raise ValueError(
                 "this engine has no criterion: pass criterion= to gridtrain.initialize"
             )
-        if self.ctx.tensor_mode == "sequence":  # token labels sum their loss over SEQUENCE
+        if self.ctx.tensor_geometry.splits_sequence:  # token labels sum their loss over it
             labels = tree_map(_mark_token_labels, labels)
         with autocast(self.ctx.device, self.autocast_dtype):
             return self._user_criterion(output, *labels, **kwargs)

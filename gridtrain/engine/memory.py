@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from gridtrain.parallel.rows import local
 from gridtrain.parallel.zero.memory import Source, count, model_sources
 from gridtrain.parallel.zero.memory_rules import ACTIVATIONS, CATEGORIES, MASTERS, PARAMETERS
-from gridtrain.parallel.zero.rows import local
 
 
 @dataclass(frozen=True)

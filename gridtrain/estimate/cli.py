@@ -29,6 +29,7 @@ from gridtrain.estimate.models import PRESETS, ModelError
 from gridtrain.estimate.report import does_not_fit, dumps, format_estimate
 from gridtrain.estimate.scenario import EstimateError, Scenario
 from gridtrain.estimate.search import SearchOptions, format_search, search
+from gridtrain.parallel.tensor.modes import mode_names
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -98,7 +99,7 @@ def _add_device_and_search_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--search", action="store_true", help="rank every layout that fits")
     s.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
-    s.add_argument("--modes", default="none,1d,2d,2.5d,3d,sequence", help="tensor modes to try")
+    s.add_argument("--modes", default=",".join(["none", *mode_names()]), help="tensor modes to try")
     s.add_argument("--headroom", type=float, default=0.10, metavar="F",
                    help="share of device memory a pick leaves free (default 0.10)")  # fmt: skip
 

@@ -22,7 +22,7 @@ rank's activation block (``geometry.py``):
   weight over INPUT and reduce-scatters its output over the hidden axis, each
   mirrored backward: ``2(d-1)(|x| + |w| + |y|)``; the axes swap with each layer's
   orientation (the plan's).
-* sequence (``sequence/ring_attention.py``): K and V blocks pass round the ring
+* sequence (``sequence/ring.py``): K and V blocks pass round the ring
   ``n-1`` times forward and again backward, and their gradient accumulators ``n``
   times; 'online' passes stacked K/V and fp32 gradient accumulators.
 * per step: gradients all-reduced over DATA (SEQUENCE_DP) in 25 MiB buckets, or
@@ -82,8 +82,8 @@ def _microbatch(spec, geo, sc, stage, shards) -> list[Collective]:
         for name, entry in entries.items():
             if name.startswith(prefix):
                 layers.layer(name.replace("h0.", "block."), entry)
-        if prefix == "h0." and geo.mode == "sequence" and geo.size > 1:
-            layers.ring_attention()
+        if prefix == "h0.":
+            layers.attention()
         if prefix == "head.":
             layers.loss()
         redo = prefix == "h0." and sc.recompute == "full"  # backward re-runs each block forward
@@ -111,7 +111,7 @@ def step_only_collectives(spec, geo, sc: Scenario, stage: StageLayers, shards, s
     out: list[Collective] = []
     nb = dtype_bytes(sc.amp)
     grad_bytes = stage.params(shards) * nb["w"]
-    dp_group = PM.SEQUENCE_DP if sc.mode == "sequence" else PM.DATA
+    dp_group = geo.rules.data_parallel
     n = sizes[dp_group]
     if n > 1 and sc.zero == 0:
         buckets = max(1, math.ceil(grad_bytes / BUCKET_BYTES))

@@ -22,6 +22,7 @@ from gridtrain.estimate.scenario import Scenario, StageLayers
 from gridtrain.estimate.shards import TensorShards
 from gridtrain.estimate.states import MASTERS, OPTIMIZER_STATE, ModelStates
 from gridtrain.estimate.timing import collective_seconds, group_links
+from gridtrain.parallel.tensor.modes import geometry_of
 from gridtrain.parallel.zero.memory_rules import reduces_each_backward
 
 RESERVED_GPU = 2 * GiB  # CUDA context, NCCL buffers, allocator slack
@@ -117,7 +118,8 @@ def _flops(spec: ModelSpec, stage: StageLayers, sc: Scenario) -> float:
     tokens = sc.micro_batch * spec.seq_len
     h = spec.hidden
     linear = 2 * h * (spec.qkv_out + h) + 2 * spec.mlp_params(active=True)
-    causal = not (sc.mode == "sequence" and sc.tensor > 1 and sc.ring == "standard")
+    ring = geometry_of(sc.mode).splits_sequence and sc.tensor > 1
+    causal = not (ring and sc.ring == "standard")
     attention = spec.attention_flops_per_token(spec.seq_len, causal=causal) / spec.layers
     block = tokens * (linear + attention)
     forward = stage.blocks * block + (tokens * 2 * h * spec.vocab if stage.head else 0)

@@ -1,4 +1,5 @@
-"""How one tensor rank holds a micro-batch's activations, per mode (read off each mode's layers).
+"""How one tensor rank holds a micro-batch's activations, per mode: each mode's geometry says
+(``parallel/tensor/<mode>/geometry.py``, read off its layers), this class holds the sizes.
 
 * none: everything whole.
 * 1d (Megatron, ``mode_1d``): tokens and the residual stream whole on every rank;
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gridtrain.parallel.tensor.mode_2d.grid import grid_side
-from gridtrain.parallel.tensor.mode_3d.cube import cube_side
+from gridtrain.parallel.tensor.geometry import ModeGeometry
+from gridtrain.parallel.tensor.modes import geometry_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,51 +31,43 @@ class Geometry:
 
     @classmethod
     def of(cls, mode: str | None, size: int, depth: int = 1) -> Geometry:
-        if mode in ("2d", "2.5d"):
-            side = grid_side(size, depth)
-        elif mode == "3d":
-            side = cube_side(size)
-        else:
-            side = size
-        return cls(mode, size, side, depth if mode == "2.5d" else 1)
+        rules = geometry_of(mode)
+        return cls(mode, size, rules.side(size, depth), depth if rules.uses_depth else 1)
+
+    @property
+    def rules(self) -> ModeGeometry:
+        """The mode's own geometry: its cost formulas."""
+        return geometry_of(self.mode)
 
     @property
     def grid(self) -> bool:
-        return self.mode in ("2d", "2.5d", "3d")
+        return self.rules.blocked
 
     @property
     def row_blocks(self) -> int:
         """Batch blocks of one tensor group (``split_batch``)."""
-        if self.mode in ("2d", "2.5d"):
-            return self.depth * self.side
-        if self.mode == "3d":
-            return self.side**2
-        return 1
+        return self.rules.row_blocks(self)
 
     @property
     def seq_parts(self) -> int:
-        return self.size if self.mode == "sequence" else 1
+        return self.rules.seq_parts(self)
 
     @property
     def hidden_parts(self) -> int:
         """Split of the residual stream's hidden dim."""
-        return self.side if self.grid else 1
+        return self.rules.hidden_parts(self)
 
     @property
     def gather(self) -> int:
         """How many times more rows a Linear saves than the rank's block (3d's input gather)."""
-        return self.side if self.mode == "3d" else 1
+        return self.rules.gather(self)
 
     def tokens(self, m: int) -> float:
         """Tokens of a ``m``-token micro-batch on one rank's activation blocks."""
         return m / (self.row_blocks * self.seq_parts)
 
     def in_width(self, width: int, role: str) -> float:
-        if self.mode == "1d":
-            return width / self.size if role == "row" else width
-        return width / self.hidden_parts
+        return self.rules.in_width(self, width, role)
 
     def out_width(self, width: int, role: str) -> float:
-        if self.mode == "1d":
-            return width / self.size if role == "column" else width
-        return width / self.hidden_parts
+        return self.rules.out_width(self, width, role)

@@ -33,13 +33,14 @@ from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.memory import in_flight, stage_activations
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import EstimateError, Scenario, batch_split
+from gridtrain.parallel.tensor.modes import GEOMETRIES, geometry_of, mode_names
 
 MAX_MICRO_BATCH = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
-    modes: tuple = (None, "1d", "2d", "2.5d", "3d", "sequence")
+    modes: tuple = (None, *mode_names())
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     chunks: tuple[int, ...] = (1, 2, 4)
     top: int = 10
@@ -91,22 +92,10 @@ def tensor_layouts(rest: int, spec: ModelSpec, modes) -> list[tuple[str | None, 
     for t in divisors(rest):
         if t < 2:
             continue
-        if "1d" in modes and kv % t == 0:
-            out.append(("1d", t, 1))
-        if "sequence" in modes and spec.seq_len % t == 0:
-            out.append(("sequence", t, 1))
-        q = math.isqrt(t)
-        if "2d" in modes and q * q == t and kv % q == 0:
-            out.append(("2d", t, 1))
-        d = round(t ** (1 / 3))
-        if "3d" in modes and d**3 == t and kv % d == 0:
-            out.append(("3d", t, 1))
-        if "2.5d" in modes:
-            for depth in divisors(t):
-                q2 = t // depth
-                q = math.isqrt(q2)
-                if 2 <= depth and q >= 2 and q * q == q2 and kv % q == 0:
-                    out.append(("2.5d", t, depth))
+        for mode in modes:
+            geometry = GEOMETRIES.get(mode) if mode is not None else None
+            if geometry is not None:  # (a name no mode has: nothing to try)
+                out += [(mode, t, depth) for depth in geometry.fits(t, kv, spec.seq_len)]
     return out
 
 
@@ -251,7 +240,7 @@ def format_search(r: SearchResult) -> str:
     for i, e in enumerate(r.ranked[: r.top], 1):
         sc = e.scenario
         tensor = f"{sc.mode} {sc.tensor}" if sc.mode else "1"
-        if sc.mode == "2.5d":
+        if geometry_of(sc.mode).uses_depth:
             tensor += f" (depth {sc.depth})"
         layout = f"{sc.data} x {sc.pipeline} x {tensor}"
         step = f"{e.step_s * 1e3:.0f} ms" if e.step_s < 1 else f"{e.step_s:.2f} s"

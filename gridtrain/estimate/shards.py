@@ -19,6 +19,7 @@ from gridtrain.config import Config
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.skeleton import meta_skeleton
 from gridtrain.parallel.layout import Layout
+from gridtrain.parallel.tensor.modes import geometry_of
 from gridtrain.parallel.tensor.parallelize import build_plan
 from gridtrain.parallel.tensor.plan import Plan
 
@@ -26,9 +27,10 @@ from gridtrain.parallel.tensor.plan import Plan
 def tensor_config(mode: str | None, size: int, depth: int = 1, ring: str = "standard") -> Config:
     """A config with only the tensor section (one tensor block is all the planner looks at)."""
     tensor: dict = {"size": size, "mode": mode}
-    if mode == "2.5d":
+    geometry = geometry_of(mode)
+    if geometry.uses_depth:
         tensor["depth"] = depth
-    if mode == "sequence":
+    if geometry.splits_sequence:
         tensor["ring_attention"] = ring
     return Config.from_dict({"parallel": {"tensor": tensor}})
 

@@ -12,7 +12,7 @@ copy of their arithmetic. The tests train the very same class through
   any contiguous split of its output keeps whole groups (1d column split, the
   2d/2.5d/3d hidden blocks) and attention reads its local heads off the width.
 * ``fc`` of a gated MLP interleaves gate and up (``[ffn, 2]``), for the same reason.
-* Attention is ``gt.nn.attention``: SDPA, or ring attention under 'sequence'.
+* Attention is ``gt.nn.attention``: SDPA, or ring attention under sequence parallelism.
 * A spec with ``experts`` has gridtrain's ``MoeLayer`` as every block's ``mlp`` (top-1 or
   top-2 router at capacity factor 1, the grouped dispatch, ``Experts`` of ``expert_ffn``),
   built with the current context when there is one (its experts are then this rank's).

@@ -32,6 +32,7 @@ from gridtrain.estimate.communication import FIRST_LAST, Collective
 from gridtrain.estimate.devices import DeviceSpec
 from gridtrain.estimate.scenario import Scenario
 from gridtrain.parallel.mode import ParallelMode as PM
+from gridtrain.parallel.tensor.modes import geometry_of
 from gridtrain.parallel.topology import build_groups
 
 
@@ -58,7 +59,7 @@ class Link:
 def _links(p: int, t: int, mode: str | None, depth: int, replicas: int, gpn: int):
     """Which groups of a layout cut to ``p`` stages and ``replicas`` data replicas span nodes."""
     tensor: dict = {"size": t, "mode": mode}
-    if mode == "2.5d":
+    if geometry_of(mode).uses_depth:
         tensor["depth"] = depth
     cfg = Config.from_dict({"parallel": {"pipeline": p, "tensor": tensor}})
     groups = build_groups(cfg, p * t * replicas)
@@ -79,7 +80,7 @@ def group_links(sc: Scenario, gpus_per_node: int) -> dict:
     gpn = gpus_per_node
     p = min(sc.pipeline, math.ceil(gpn / sc.tensor) + 1)  # stride T: reaches past a node
     replicas = min(sc.data, math.ceil(gpn / (p * sc.tensor)) + 1)
-    depth = sc.depth if sc.mode == "2.5d" else 1
+    depth = sc.depth if geometry_of(sc.mode).uses_depth else 1
     cut = _links(p, sc.tensor, sc.mode, depth, replicas, gpn)
     full = {
         PM.DATA: sc.data, PM.PIPELINE: sc.pipeline, PM.MODEL: sc.pipeline * sc.tensor,

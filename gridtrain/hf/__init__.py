@@ -80,14 +80,14 @@ def prepare_model(model: nn.Module, ctx: ParallelContext) -> tuple[dict, Any]:
 
 def after_apply(model: nn.Module, plan, ctx: ParallelContext) -> None:
     """Once the plan is applied: local head counts (GPT-2, Phi-3), what replaced layers must
-    keep computing (Gemma's scaled embedding), ring attention under
-    'sequence'."""
+    keep computing (Gemma's scaled embedding), ring attention where the mode splits the
+    sequence."""
     from gridtrain.hf import families
     from gridtrain.hf.attention import install
 
     _localise(model, plan, ctx, [])
     families.restore(model)
-    if ctx.tensor_mode == "sequence":
+    if ctx.tensor_geometry.splits_sequence:
         install(model, ctx)
 
 

@@ -251,7 +251,7 @@ def _writes(ctx: ParallelContext | None, index: int) -> bool:
     if ctx is None or world(ctx) == 1:
         return True
     first = ctx.local_rank(ParallelMode.DATA) == 0
-    if ctx.tensor_mode == "sequence":  # sequence ranks are replicas of the weights too
+    if ctx.tensor_geometry.splits_sequence:  # sequence ranks are replicas of the weights too
         return first and ctx.local_rank(ParallelMode.SEQUENCE) == 0
     tensor = ctx.world_size(ParallelMode.TENSOR)
     return first and ctx.local_rank(ParallelMode.TENSOR) == index % tensor

@@ -27,7 +27,7 @@ def attention(
 ):  # fmt: skip
     """Softmax attention of ``[B, H, s, D]`` q, k, v; ``key_padding_mask`` ``[B, s]``, True = pad.
 
-    Ring self-attention under 'sequence' (``parallel.tensor.ring_attention`` picks the
+    Ring self-attention under sequence parallelism (``parallel.tensor.ring_attention`` picks the
     variant); ``scaled_dot_product_attention`` on the local heads in every other mode.
     ``window`` (causal only): each query sees the ``window`` keys ending at itself (a
     sliding window); ``softcap``: scaled scores become ``softcap * tanh(scores / softcap)``;

@@ -6,7 +6,7 @@ state). A rank holds each tensor in one or more of these ways, each undone here:
 
 * a tensor-parallel shard (its shard spec, ``sharding``): all-gathered over the spec's
   groups, cut again on load;
-* ZeRO rows (stages 1-2: a tensor tagged ``ZeroRows``, ``zero.rows``): this rank's
+* ZeRO rows (stages 1-2: a tensor tagged ``ZeroRows``, ``parallel.rows``): this rank's
   rows of its tensor-parallel shard, gathered over the data-parallel group;
 * a ``DTensor`` (FSDP2: ZeRO 3 and Gemini; any implementation that holds parameters as
   DTensors): ``full_tensor`` (through the compute device when the shards live in CPU
@@ -22,7 +22,7 @@ An implementation that holds parameters its own way (an offload runtime) is serv
 keeping each model parameter, whenever no forward or backward runs, as one of the above
 with its gridtrain tags (``tags.copy_tags`` from the parameter it replaced): the whole
 tensor-parallel shard, a DTensor, or this rank's rows tagged with
-``zero.rows.set_zero_rows``; ``set_master`` where the optimizer steps a separate copy;
+``rows.set_zero_rows``; ``set_master`` where the optimizer steps a separate copy;
 and by treating writes into them (a load) as new weights before the next forward.
 
 Whole-model calls are loops over the per-tensor ones (``dense_value``, ``load_local``), which
@@ -39,15 +39,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import dense_items, dense_shape, full_tensor, shard_tensor
-from gridtrain.parallel.tags import ShardSpec, get_shard_spec
-from gridtrain.parallel.zero.rows import (
+from gridtrain.parallel.rows import (
     ZeroRows,
     gather_rows,
     get_zero_rows,
     owned_like,
     owned_range,
 )
+from gridtrain.parallel.sharding import dense_items, dense_shape, full_tensor, shard_tensor
+from gridtrain.parallel.tags import ShardSpec, get_shard_spec
 
 _MASTER = "_gt_master"
 

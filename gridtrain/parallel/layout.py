@@ -12,6 +12,7 @@ CPU.
 from __future__ import annotations
 
 from gridtrain.config import Config
+from gridtrain.config.tensor import ModeGeometry
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.topology import Groups, build_groups, group_of
 
@@ -35,8 +36,13 @@ class Layout:
 
     @property
     def tensor_mode(self) -> str | None:
-        """None, "1d", "2d", "2.5d", "3d" or "sequence"."""
+        """The config's ``parallel.tensor.mode``: a registered mode's name, or None."""
         return self.config.tensor_mode
+
+    @property
+    def tensor_geometry(self) -> ModeGeometry:
+        """The tensor mode's torch-free geometry (``gridtrain.parallel.tensor.geometry``)."""
+        return self.config.tensor_geometry
 
     @property
     def coordinates(self) -> tuple[int, int, int]:

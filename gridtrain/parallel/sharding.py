@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.rows import get_zero_rows
 from gridtrain.parallel.tags import ShardSpec, as_spec, get_shard_spec
-from gridtrain.parallel.zero.rows import get_zero_rows
 
 
 def _check(full: Tensor, dim: int, n: int, parts: int, mode: ParallelMode) -> None:
@@ -69,7 +69,7 @@ def shard_shape(dense_shape, spec, ctx: ParallelContext) -> tuple[int, ...]:
 
 def dense_shape(shard: Tensor, ctx: ParallelContext, spec: ShardSpec | None = None) -> tuple:
     """The dense shape of ``shard`` (its own spec unless ``spec`` is given). A tensor holding
-    only this rank's ZeRO rows (``zero.rows``) counts as its whole shard; a DTensor's
+    only this rank's ZeRO rows (``parallel.rows``) counts as its whole shard; a DTensor's
     shape is that already."""
     shape = list(shard.shape)
     rows = get_zero_rows(shard)

@@ -67,16 +67,16 @@ def set_dp_mode(param: Tensor, mode: ParallelMode) -> Tensor:
 def get_dp_mode(param: Tensor, ctx: ParallelContext) -> ParallelMode:
     """The group over which ``param``'s gradient is averaged between replicas.
 
-    DATA by default; SEQUENCE_DP under sequence parallelism (the sequence shards
-    of one batch hold the same weights); whatever a layer set with ``set_dp_mode``.
+    Whatever a layer set with ``set_dp_mode``; else the tensor mode's (its geometry's
+    ``data_parallel``): DATA, SEQUENCE_DP under sequence parallelism (the sequence shards
+    of one batch hold the same weights).
     """
-    default = ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
-    return getattr(param, _DP_MODE, default)
+    return getattr(param, _DP_MODE, ctx.tensor_geometry.data_parallel)
 
 
 def default_dp_mode(ctx: ParallelContext) -> ParallelMode:
     """The data-parallel group of untagged tensors (buffers, plain parameters)."""
-    return ParallelMode.SEQUENCE_DP if ctx.tensor_mode == "sequence" else ParallelMode.DATA
+    return ctx.tensor_geometry.data_parallel
 
 
 def mark_pipeline_shared(param: Tensor, tie: int | None = None) -> Tensor:

@@ -2,8 +2,9 @@
 
 ``global_rank = ((d * P) + p) * T + t``: data outermost, tensor innermost, so a
 tensor group is a run of adjacent ranks. The tensor block of each (d, p) is then
-reshaped by the tensor mode's spec (``parallel/tensor/spec.py``: each mode package says
-how its groups cut one block; ``ParallelMode`` names them).
+reshaped by the tensor mode's geometry (each mode package's torch-free ``geometry.py``,
+which the config holds: how its groups cut one block, and the groups across data and
+tensor ranks it adds; ``ParallelMode`` names them).
 ``Layout`` picks one rank's groups from these lists (``ParallelContext`` creates
 process groups from them) and ``gridtrain topo`` prints them.
 """
@@ -44,22 +45,12 @@ def build_groups(config: Config, world_size: int) -> Groups:
             for p, t, e in product(pr, tr, range(E))
         ],
     }
-    # imported here: the modes' layers import the context, which is built on this module
-    from gridtrain.parallel.tensor.registry import mode_spec
-
-    mode = config.tensor_mode
-    for pmode, blocks in mode_spec(mode).groups(T, config.parallel.tensor.depth).items():
+    geometry = config.tensor_geometry
+    for pmode, blocks in geometry.groups(T, config.parallel.tensor.depth).items():
         groups[pmode] = [
             tuple(rank(d, p, t) for t in block) for d, p in product(dr, pr) for block in blocks
         ]
-    if mode == "sequence":
-        # all ranks of one pipeline stage, across data and sequence
-        groups[PM.SEQUENCE_DP] = [tuple(rank(d, p, t) for d, t in product(dr, tr)) for p in pr]
-        # experts likewise: a data rank's sequence ranks route other tokens to the same experts
-        groups[PM.EXPERT_DATA] = [
-            tuple(rank(g * E + e, p, t) for g, t in product(range(D // E), tr))
-            for p, e in product(pr, range(E))
-        ]
+    groups.update(geometry.extra_groups(rank, (D, P, T, E)))
     return groups
 
 

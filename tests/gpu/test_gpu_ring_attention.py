@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from gpu_env import max_abs, rel_err
 
-from gridtrain.parallel.tensor.sequence.ring_attention import (
+from gridtrain.parallel.tensor.sequence.ring import (
     _block_fused,
     _keep_mask,
     _merge,

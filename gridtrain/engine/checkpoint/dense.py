@@ -31,9 +31,9 @@ from gridtrain.parallel.dense_state import (
     load_full_state_dict,
     merge_stages,
 )
+from gridtrain.parallel.rows import get_zero_rows
 from gridtrain.parallel.sharding import dense_shape, shard_tensor
 from gridtrain.parallel.tags import get_shard_spec
-from gridtrain.parallel.zero.rows import get_zero_rows
 
 FORMAT = 1
 

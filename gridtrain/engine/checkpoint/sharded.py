@@ -52,9 +52,9 @@ from gridtrain.engine.checkpoint.state import (
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.rows import get_zero_rows, local
 from gridtrain.parallel.sharding import dense_items, dense_shape
 from gridtrain.parallel.tags import get_shard_spec
-from gridtrain.parallel.zero.rows import get_zero_rows, local
 
 logger = logging.getLogger("gridtrain")
 

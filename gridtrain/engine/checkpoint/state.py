@@ -2,7 +2,7 @@
 shard lies in the dense tensor, every RNG state of the rank, and the layout it ran under.
 
 Under ZeRO a rank holds only some rows of its tensor-parallel shard
-(``parallel.zero.rows``): stages 1-2 in the optimizer's parameters and state,
+(``parallel.rows``): stages 1-2 in the optimizer's parameters and state,
 stage 3 in FSDP2's DTensor parameters too. ``chunk_view`` describes exactly those rows
 as chunks of the dense tensor, so the sharded format writes each rank's rows once and
 reads any layout's rows back; the dense format gathers them first
@@ -23,14 +23,14 @@ from torch import Tensor, nn
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.dense_state import copy_full_local
 from gridtrain.parallel.mode import ParallelMode
-from gridtrain.parallel.sharding import unwrap
-from gridtrain.parallel.tags import ShardSpec, as_spec
-from gridtrain.parallel.zero.rows import (
+from gridtrain.parallel.rows import (
     ZeroRows,
     get_owner,
     get_zero_rows,
     local,
 )
+from gridtrain.parallel.sharding import unwrap
+from gridtrain.parallel.tags import ShardSpec, as_spec
 
 logger = logging.getLogger("gridtrain")
 

@@ -19,6 +19,7 @@ from gridtrain.parallel.tensor.dropout import dropout_factory
 from gridtrain.parallel.tensor.flow_rules import check_columns, column_style
 from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.grad_summed import GradSummed
+from gridtrain.parallel.tensor.modes import names_where
 from gridtrain.parallel.tensor.norm import weightless_norm
 from gridtrain.parallel.tensor.plan import (
     ATTENTION,
@@ -160,8 +161,8 @@ def _check_weightless_norms(plan: Plan, model: nn.Module) -> None:
                 f"'{name}' ({type(module).__name__}) normalises over the last dim with no weight "
                 f"and no normalized_shape, so gridtrain cannot tell its width; under tensor mode "
                 f"{plan.mode!r} each rank holds a block of the hidden dim and it would normalise "
-                "each block alone: use tensor mode '1d' or 'sequence', or give it a "
-                "normalized_shape"
+                f"each block alone: use tensor mode {names_where(lambda g: not g.blocked)}, or "
+                "give it a normalized_shape"
             )
 
 
@@ -177,11 +178,11 @@ def _advice(model: nn.Module, params: dict, loose: list[str]) -> str:
     )
 
 
-def blocked_mode(name: str, split_batch, loss, accuracy, **parts) -> TensorMode:
+def blocked_mode(geometry, split_batch, loss, accuracy, **parts) -> TensorMode:
     """A blocked mode's spec: ``TensorMode``'s first four fields, these shared parts, and
-    ``parts``, what else is the mode's own (layers, groups, head split...)."""
+    ``parts``, what else is the mode's own (layers, entry options...)."""
     return TensorMode(
-        name,
+        geometry,
         split_batch,
         loss,
         accuracy,

@@ -23,6 +23,7 @@ from torch import nn
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.cuts import Cut, packing
 from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
+from gridtrain.parallel.tensor.modes import names_where
 from gridtrain.parallel.tensor.norm import norm_kind
 from gridtrain.parallel.tensor.plan import LINEAR, NORM, PlanError
 from gridtrain.parallel.tensor.trace import Flow
@@ -142,5 +143,5 @@ def check_loose_params(kinds, styles, flow: Flow | None, modules, spec) -> None:
                 f"'{name}' ({type(modules[name]).__name__}) holds parameters {params} and reads "
                 f"the split output of {split}: each rank would train them on its part alone; "
                 f"keep that output whole (colwise_gather_output in parallel.tensor.plan) or use "
-                f"tensor mode 'sequence' or a pipeline for this model"
+                f"tensor mode {names_where(lambda g: g.splits_sequence)} or a pipeline for this model"
             )

@@ -1,41 +1,39 @@
-"""The tensor modes by their config names (``parallel.tensor.mode``): name -> ``TensorMode``.
+"""The runtime half of the tensor modes: config name -> ``TensorMode`` (layers, loss, forward
+context), found through the mode's geometry (``modes.py``, where modes are registered).
 
 The engine splits batches, ``gt.nn`` picks its loss and accuracy, the planner and
-``gridtrain estimate`` plan layers through the spec found here; adding a mode adds
-one line.
+``gridtrain estimate`` plan layers through the spec found here.
 """
 
 from __future__ import annotations
 
+import importlib
+from functools import cache
+
 from torch import Tensor
 
 from gridtrain.parallel.context import ParallelContext, get_context, has_context
-from gridtrain.parallel.tensor import mode_1d, mode_2d, mode_3d, none, sequence
+from gridtrain.parallel.tensor.geometry import ModeGeometry
+from gridtrain.parallel.tensor.modes import geometry_of
 from gridtrain.parallel.tensor.spec import TensorMode
 
-MODES: dict[str | None, TensorMode] = {
-    None: none.MODE,
-    "1d": mode_1d.MODE,
-    "2d": mode_2d.MODE_2D,
-    "2.5d": mode_2d.MODE_2P5D,
-    "3d": mode_3d.MODE,
-    "sequence": sequence.MODE,
-}
+
+@cache
+def _runtime(geometry: ModeGeometry) -> TensorMode:
+    module, _, attribute = geometry.runtime.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def mode_spec(name: str | None) -> TensorMode:
     """The spec of the tensor mode ``name`` (None: no tensor mode)."""
-    if name not in MODES:
-        allowed = ", ".join(repr(m) for m in MODES)
-        raise ValueError(f"parallel.tensor.mode must be one of {allowed}; got {name!r}")
-    return MODES[name]
+    return _runtime(geometry_of(name))
 
 
 def spec_of(ctx: ParallelContext | None = None) -> TensorMode:
     """The spec of ``ctx``'s tensor mode (else the current context's; with no context at
     all, the no-tensor mode's)."""
     if ctx is None and not has_context():
-        return MODES[None]
+        return mode_spec(None)
     return mode_spec((ctx or get_context()).tensor_mode)
 
 

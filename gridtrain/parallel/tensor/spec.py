@@ -1,10 +1,10 @@
 """A tensor mode as one object: everything the planner, the engine and ``gt.nn`` ask of a mode.
 
 Each mode package (``none/``, ``mode_1d/``, ``mode_2d/`` for 2d and 2.5d, ``mode_3d/``,
-``sequence/``) builds one ``TensorMode`` from its own parts, and ``registry.py`` maps the
-config's mode names to them. ``parallelize.py`` drives a spec without knowing which mode it
-is; ``topology.py`` asks it for the groups of a tensor block, the engine for ``split_batch``,
-``gt.nn`` for the loss and accuracy, ``gridtrain estimate`` for the head split.
+``sequence/``) builds one ``TensorMode`` from its own parts in its ``runtime.py``, on its
+torch-free geometry (``geometry.py``: groups, head split, sizes), and ``registry.py`` finds
+it by the config's mode name. ``parallelize.py`` drives a spec without knowing which mode it
+is; the engine asks it for ``split_batch``, ``gt.nn`` for the loss and accuracy.
 """
 
 from __future__ import annotations
@@ -16,27 +16,13 @@ from typing import Any
 
 from torch import nn
 
-from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.tensor.geometry import ModeGeometry
 from gridtrain.parallel.tensor.plan import DROPOUT, Plan, PlanError
 from gridtrain.parallel.tensor.trace import Flow
 
 Factory = Callable[..., Any]  # factory(dense_module, ctx, **options) -> the sharded layer
 LayerTable = dict[tuple[str, str], tuple[Factory, dict[str, Any]]]  # (kind, style) -> factory
 Styles = tuple[dict[str, str], dict[str, str]]  # module -> style, module -> where it came from
-BlockGroups = dict[ParallelMode, list[list[int]]]  # mode -> groups of tensor ranks 0..size-1
-
-
-def no_head_split(size: int, depth: int) -> tuple[int, str]:
-    return 1, "no group"
-
-
-def no_groups(size: int, depth: int) -> BlockGroups:
-    return {}
-
-
-def one_group(mode: ParallelMode) -> Callable[[int, int], BlockGroups]:
-    """Groups of a mode whose tensor block is one group of ``mode``."""
-    return lambda size, depth: {mode: [list(range(size))]}
 
 
 @dataclass(frozen=True)
@@ -55,11 +41,10 @@ class TensorMode:
     (the planner's dry run on this rank's shapes too).
     """
 
-    name: str | None
+    geometry: ModeGeometry  # the torch-free half: name, groups, head split, sizes
     split_batch: Callable  # (x, ctx) -> this rank's part of a batch tensor
     loss: type[nn.Module]  # gt.nn.CrossEntropyLoss's implementation under the mode
     accuracy: Callable  # (logits, labels, ctx) -> (correct, total)
-    groups: Callable[[int, int], BlockGroups] = no_groups  # (size, depth): one block's groups
     layers: LayerTable = field(default_factory=dict)
     kept: frozenset[str] = frozenset()  # kinds the mode leaves dense whatever their style
     infer_styles: Callable[..., Styles] | None = None  # None: no layer is planned
@@ -67,7 +52,6 @@ class TensorMode:
     entry_options: Callable[[dict, dict, Flow | None], dict[str, dict]] | None = None
     check: Callable[[Plan, nn.Module], None] | None = None
     tie_alternatives: tuple[str, ...] = ()  # styles a tied Linear may take to match its twin
-    head_split: Callable[[int, int], tuple[int, str]] = no_head_split  # (ways, group in words)
     splits_output: Callable[[str, str], bool] | None = None
     # (kind, style) -> whether the replaced layer takes its input's last dim split (None: split
     # or whole); the field None: not checked
@@ -75,6 +59,16 @@ class TensorMode:
     splits_weights: bool = False  # whether the coverage notice applies
     # (ctx) -> the context every forward of the model runs in; None: nothing around it
     forward_mode: Callable[[Any], AbstractContextManager] | None = None
+
+    @property
+    def name(self) -> str | None:
+        """The mode's config name (None: no tensor mode)."""
+        return self.geometry.name
+
+    @property
+    def head_split(self) -> Callable[[int, int], tuple[int, str]]:
+        """(size, depth) -> (ways heads are split, the group in words): the geometry's."""
+        return self.geometry.head_split
 
     def layer_for(
         self, name: str, kind: str, style: str, options: dict[str, Any]

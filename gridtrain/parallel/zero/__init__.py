@@ -12,7 +12,7 @@
   state in pinned host memory (1/n of the rows per rank), compute-dtype parameters on the
   device where they fit (``device_param_mb``) and streamed chunk by chunk where not.
 
-``rows`` says which rows a rank owns (the same at every stage, so checkpoints move
+``parallel/rows.py`` says which rows a rank owns (the same at every stage, so checkpoints move
 between stages); ``memory`` measures what a rank holds. Each runtime is the engine's
 gradient sync (``parallel.sync.GradSync``).
 """

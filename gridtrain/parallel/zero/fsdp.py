@@ -45,6 +45,7 @@ from gridtrain.config import AMP_TYPE
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer
+from gridtrain.parallel.rows import chunk_rows, owned_range, set_zero_rows
 from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.tags import copy_tags, default_dp_mode, get_dp_mode
 from gridtrain.parallel.zero.memory import Source, grads, optimizer_params, state_tensors
@@ -54,7 +55,6 @@ from gridtrain.parallel.zero.memory_rules import (
     PARAMETERS,
     reduces_each_backward,
 )
-from gridtrain.parallel.zero.rows import chunk_rows, owned_range, set_zero_rows
 
 logger = logging.getLogger("gridtrain")
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from gridtrain.parallel.rows import local
 from gridtrain.parallel.zero.memory_rules import GRADIENTS, MASTERS, OPTIMIZER_STATE, PARAMETERS
-from gridtrain.parallel.zero.rows import local
 
 # (category, tensors, host): host None places a tensor by its device
 Source = tuple[str, Iterable[Tensor], bool | None]

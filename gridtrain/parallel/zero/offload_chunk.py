@@ -23,11 +23,11 @@ from torch import Tensor, nn
 from gridtrain.parallel.comm import all_gather_single, reduce_scatter_single
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.rows import as_rows, set_zero_rows
 from gridtrain.parallel.tags import copy_tags
 from gridtrain.parallel.zero.offload_plan import ChunkShape
 from gridtrain.parallel.zero.offload_streams import Streams, host_buffer
 from gridtrain.parallel.zero.row_buckets import RowShard, chunks_to_rows, rows_to_chunks
-from gridtrain.parallel.zero.rows import as_rows, set_zero_rows
 
 Ref = tuple[nn.Module, str]  # a module and the attribute name it registers a parameter under
 

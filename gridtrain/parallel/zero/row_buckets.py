@@ -1,7 +1,7 @@
 """ZeRO 1-2's buckets: the rows of parameters of one group and dtype, in one collective.
 
 A ``RowShard`` pairs a model parameter with the optimizer's parameter holding this rank's
-rows of it (``rows.py``). A ``RowBucket`` lays the gradients of its shards out rank by rank
+rows of it (``parallel/rows.py``). A ``RowBucket`` lays the gradients of its shards out rank by rank
 and reduce-scatters them (``launch``/``finish``, driven during backward: by the overlapped
 data-parallel path in the window's last backward at stage 1, ``parallel.sync.data_parallel``,
 and in every backward at stage 2, ``parallel.sync.each_backward``), adding each rank's rows
@@ -18,9 +18,9 @@ from torch import Tensor
 from gridtrain.parallel.comm import all_gather_single, reduce_scatter_single
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
+from gridtrain.parallel.rows import as_rows, chunk_rows, owned_range
 from gridtrain.parallel.sync.buckets import FlatBucket, group_buckets, param_bytes
 from gridtrain.parallel.tags import is_pipeline_shared
-from gridtrain.parallel.zero.rows import as_rows, chunk_rows, owned_range
 
 
 class RowShard:

@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2: the optimizer steps only this rank's rows of every parameter.
 
 At ``gt.initialize`` the user's optimizer is rebound (``rebind_optimizer``) from each
-parameter to a new parameter holding the rows this rank owns (``rows.py``): a view of
+parameter to a new parameter holding the rows this rank owns (``parallel/rows.py``): a view of
 the model's rows when the model trains in its own dtype, an fp32 copy (the master
 weight) under naive fp16 or with ``offload`` (then in CPU memory). So optimizer state
 and masters exist once across the data-parallel group.
@@ -44,6 +44,7 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.dense_state import set_master
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.optimizer_rebind import rebind_optimizer
+from gridtrain.parallel.rows import as_rows, owned_range, set_owner, set_zero_rows
 from gridtrain.parallel.sync.base import GradSync
 from gridtrain.parallel.sync.data_parallel import OverlappedDataParallel
 from gridtrain.parallel.sync.each_backward import EachBackward, pipeline_chunks
@@ -58,7 +59,6 @@ from gridtrain.parallel.zero.memory_rules import (
     reduces_each_backward,
 )
 from gridtrain.parallel.zero.row_buckets import RowShard, build_row_buckets
-from gridtrain.parallel.zero.rows import as_rows, owned_range, set_owner, set_zero_rows
 
 logger = logging.getLogger("gridtrain")
 

@@ -31,6 +31,7 @@ from gridtrain.parallel.tensor.base import ShardedModule, check_divisible
 from gridtrain.parallel.tensor.mha.attend import additive, append_keys, attend, causal_mask
 from gridtrain.parallel.tensor.mha.call import Call, Limits, read_call
 from gridtrain.parallel.tensor.mha.rows import Rows, whole_mask
+from gridtrain.parallel.tensor.modes import names_where
 from gridtrain.parallel.tensor.plan import PlanError
 
 logger = logging.getLogger("gridtrain")
@@ -291,9 +292,10 @@ def boolean_padding(pad: Tensor) -> Tensor:
         return pad.bool()
     masked = pad == float("-inf")
     if not pad.is_meta and not bool(((pad == 0) | masked).all()):
+        ring = names_where(lambda g: g.splits_sequence)
         raise PlanError(
             "key_padding_mask: a float mask with values other than 0 and -inf; ring attention "
-            "(tensor mode 'sequence') takes padding only (True / -inf = padding)"
+            f"(tensor mode {ring}) takes padding only (True / -inf = padding)"
         )
     return masked
 

@@ -1,92 +1,25 @@
 """1D tensor parallelism (Megatron-LM): column/row Linears, split embeddings, vocab-parallel loss.
 
-``MODE`` is the mode's spec (``tensor/spec.py``): its layer table, style inference
-(``styles.py``), batch split and loss (``loss.py``)."""
+``geometry.py`` is the torch-free half (one PARALLEL_1D group, heads split over it, the
+collectives ``gridtrain estimate`` counts, ``costs.py``); ``runtime.py`` builds ``MODE``, the
+mode's spec, from its layers (``linear.py``, ``embedding.py``, ``mha.py``), style inference
+(``styles.py``), batch split and loss (``loss.py``). The names below load on first use.
+"""
 
-from gridtrain.parallel.tensor.dropout import dropout_factory
-from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
-from gridtrain.parallel.tensor.grad_summed import GradSummed
-from gridtrain.parallel.tensor.mode_1d import styles
-from gridtrain.parallel.tensor.mode_1d.embedding import (
-    Embedding1D,
-    PatchEmbedding1D,
-    VocabParallelEmbedding1D,
-)
-from gridtrain.parallel.tensor.mode_1d.linear import PM1D, ColumnLinear, RowLinear
-from gridtrain.parallel.tensor.mode_1d.loss import CrossEntropyLoss, accuracy, split_batch
-from gridtrain.parallel.tensor.mode_1d.mha import MultiheadAttention1D
-from gridtrain.parallel.tensor.plan import (
-    ATTENTION,
-    COL_SHARDED,
-    DROPOUT,
-    EMBEDDING,
-    LINEAR,
-    NORM,
-    PATCH,
-)
-from gridtrain.parallel.tensor.spec import TensorMode, one_group
+from gridtrain.parallel.tensor.lazy import exports
 
-LAYERS = {
-    (LINEAR, "colwise"): (ColumnLinear, {}),
-    (LINEAR, "packed_colwise"): (ColumnLinear, {}),
-    (LINEAR, "colwise_gather_output"): (ColumnLinear, {"gather_output": True}),
-    (LINEAR, "gather_output"): (ColumnLinear, {"gather_output": True}),
-    (LINEAR, "vocab_parallel"): (ColumnLinear, {"vocab_parallel": True}),
-    (LINEAR, "rowwise"): (RowLinear, {}),
-    (LINEAR, "rowwise_split_input"): (RowLinear, {"parallel_input": False}),
-    (EMBEDDING, "embedding_rowwise"): (VocabParallelEmbedding1D, {}),
-    (EMBEDDING, "embedding_colwise"): (Embedding1D, {}),
-    (EMBEDDING, "colwise"): (Embedding1D, {}),
-    (PATCH, "colwise"): (PatchEmbedding1D, {}),
-    (DROPOUT, "replicate"): (dropout_factory(PM1D, PM1D), {}),
-    (ATTENTION, "heads"): (MultiheadAttention1D, {}),
-    (NORM, GRAD_SUMMED): (GradSummed, {"mode": PM1D}),
+_WHERE = {
+    "MODE": "runtime",
+    "PM1D": "linear",
+    "ColumnLinear": "linear",
+    "RowLinear": "linear",
+    "CrossEntropyLoss": "loss",
+    "accuracy": "loss",
+    "split_batch": "loss",
+    "Embedding1D": "embedding",
+    "PatchEmbedding1D": "embedding",
+    "VocabParallelEmbedding1D": "embedding",
+    "MultiheadAttention1D": "mha",
 }
-
-
-def _splits_output(kind: str, style: str) -> bool:
-    """Only column-parallel outputs stay split; everything else comes out whole."""
-    return kind == LINEAR and style in (*COL_SHARDED, "vocab_parallel")
-
-
-def _splits_input(kind: str, style: str) -> bool:
-    """A row-parallel Linear reads a column-parallel output; every other layer a whole one."""
-    return kind == LINEAR and style == "rowwise"
-
-
-MODE = TensorMode(
-    "1d",
-    split_batch,
-    CrossEntropyLoss,
-    accuracy,
-    groups=one_group(PM1D),
-    layers=LAYERS,
-    kept=frozenset({NORM}),  # activations around norms are replicated (but a per-head norm's)
-    infer_styles=styles.styles_1d,
-    needs_flow=styles.needs_flow,
-    entry_options=styles.dropout_options,
-    tie_alternatives=(
-        "colwise_gather_output",
-        "rowwise_split_input",
-        "vocab_parallel",
-        "replicate",
-    ),
-    head_split=lambda size, depth: (size, f"PARALLEL_1D ({size} ranks)"),
-    splits_output=_splits_output,
-    splits_input=_splits_input,
-    splits_weights=True,
-)
-
-__all__ = [
-    "MODE",
-    "PM1D",
-    "ColumnLinear",
-    "CrossEntropyLoss",
-    "Embedding1D",
-    "MultiheadAttention1D",
-    "PatchEmbedding1D",
-    "RowLinear",
-    "VocabParallelEmbedding1D",
-    "accuracy",
-    "split_batch",
-]
+__all__ = sorted(_WHERE)
+__getattr__ = exports(__name__, _WHERE)

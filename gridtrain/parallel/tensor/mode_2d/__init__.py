@@ -6,58 +6,28 @@ weights are replicated over depth and every use of a weight passes through
 slices back-propagate different parts of one batch whose loss is already
 divided by the whole batch's count). Depth 1 is exactly 2D; the layers are the same.
 
-``MODE_2D`` and ``MODE_2P5D`` are the two modes' specs (``tensor/spec.py``): the
-blocked modes' planning (``tensor/blocked.py``) with the grid's layers, batch split
-and loss (``loss.py``); they differ only in their groups (``grid.grid_groups``).
+``geometry.py`` is the torch-free half (the grid's groups, size checks, head split, the
+collectives ``gridtrain estimate`` counts, ``costs.py``); ``runtime.py`` builds ``MODE_2D``
+and ``MODE_2P5D``, the two modes' specs. The names below load on first use.
 """
 
-import dataclasses
-import functools
+from gridtrain.parallel.tensor.lazy import exports
 
-from gridtrain.parallel.tensor import blocked
-from gridtrain.parallel.tensor.mode_2d import layers, mha, vocab
-from gridtrain.parallel.tensor.mode_2d.grid import SummaGrid, grid_groups, grid_side
-from gridtrain.parallel.tensor.mode_2d.layers import (
-    Classifier,
-    Embedding,
-    Linear,
-    Norm,
-    PatchEmbedding,
-)
-from gridtrain.parallel.tensor.mode_2d.loss import CrossEntropyLoss, accuracy, split_batch
-from gridtrain.parallel.tensor.mode_2d.mha import MultiheadAttention
-from gridtrain.parallel.tensor.mode_2d.vocab import VocabParallelClassifier, VocabParallelEmbedding
-
-
-def _head_split(size: int, depth: int) -> tuple[int, str]:
-    q = grid_side(size, depth)
-    return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
-
-
-MODE_2D = blocked.blocked_mode(
-    "2d",
-    split_batch,
-    CrossEntropyLoss,
-    accuracy,
-    layers=blocked.layer_table(layers, vocab, mha),
-    head_split=_head_split,
-    groups=functools.partial(grid_groups, "2d"),
-)
-MODE_2P5D = dataclasses.replace(MODE_2D, name="2.5d", groups=functools.partial(grid_groups, "2.5d"))
-
-__all__ = [
-    "MODE_2D",
-    "MODE_2P5D",
-    "Classifier",
-    "CrossEntropyLoss",
-    "Embedding",
-    "Linear",
-    "MultiheadAttention",
-    "Norm",
-    "PatchEmbedding",
-    "SummaGrid",
-    "VocabParallelClassifier",
-    "VocabParallelEmbedding",
-    "accuracy",
-    "split_batch",
-]
+_WHERE = {
+    "MODE_2D": "runtime",
+    "MODE_2P5D": "runtime",
+    "Classifier": "layers",
+    "Embedding": "layers",
+    "Linear": "layers",
+    "Norm": "layers",
+    "PatchEmbedding": "layers",
+    "CrossEntropyLoss": "loss",
+    "accuracy": "loss",
+    "split_batch": "loss",
+    "MultiheadAttention": "mha",
+    "SummaGrid": "grid",
+    "VocabParallelClassifier": "vocab",
+    "VocabParallelEmbedding": "vocab",
+}
+__all__ = sorted(_WHERE)
+__getattr__ = exports(__name__, _WHERE)

@@ -21,9 +21,7 @@ batch's size). ``replicated`` does that sum. Depth 1 is exactly 2D.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from itertools import product
 
 import torch
 from torch import Tensor
@@ -31,37 +29,14 @@ from torch import Tensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode as PM
+from gridtrain.parallel.tensor.mode_2d.geometry import (
+    GEOMETRY_2D,
+    GEOMETRY_2P5D,
+    grid_side,  # noqa: F401 (estimate reads it here)
+)
 
-_MODES = {
-    "2d": (PM.PARALLEL_2D_ROW, PM.PARALLEL_2D_COL, None),
-    "2.5d": (PM.PARALLEL_2P5D_ROW, PM.PARALLEL_2P5D_COL, PM.PARALLEL_2P5D_DEP),
-}
-
-
-def grid_side(size: int, depth: int = 1) -> int:
-    """q, the side of the q x q grid of ``size`` ranks in ``depth`` layers (2d: depth 1)."""
-    return math.isqrt(size // depth)
-
-
-def grid_groups(mode: str, size: int, depth: int) -> dict[PM, list[list[int]]]:
-    """One tensor block's groups under ``mode`` ('2d' or '2.5d'): rank (k, i, j) is tensor
-    rank ``k*q*q + i*q + j``; a row group holds a grid row (j varies), a column group a grid
-    column (i varies), and under 2.5d a depth group (k varies) and an XZ group (k, j vary)."""
-    row, col, dep = _MODES[mode]
-    q = grid_side(size, depth)
-    ks, qs = range(depth), range(q)
-
-    def at(k: int, i: int, j: int) -> int:
-        return k * q * q + i * q + j
-
-    groups = {
-        row: [[at(k, i, j) for j in qs] for k, i in product(ks, qs)],
-        col: [[at(k, i, j) for i in qs] for k, j in product(ks, qs)],
-    }
-    if dep is not None:
-        groups[dep] = [[at(k, i, j) for k in ks] for i, j in product(qs, qs)]
-        groups[PM.PARALLEL_2P5D_XZ] = [[at(k, i, j) for k, j in product(ks, qs)] for i in qs]
-    return groups
+# the grid's (row, column, depth) groups by mode name
+_MODES = {g.name: g.axes for g in (GEOMETRY_2D, GEOMETRY_2P5D)}
 
 
 @dataclass(frozen=True, eq=False)

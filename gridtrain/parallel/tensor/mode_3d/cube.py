@@ -31,7 +31,6 @@ so every rank holds 1/d^3 of each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import product
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -39,33 +38,10 @@ from torch import Tensor
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode as PM
+from gridtrain.parallel.tensor.mode_3d.geometry import cube_side  # noqa: F401 (estimate reads it here)
 
 INPUT, WEIGHT, OUTPUT = PM.PARALLEL_3D_INPUT, PM.PARALLEL_3D_WEIGHT, PM.PARALLEL_3D_OUTPUT
 PAIR = {WEIGHT: PM.PARALLEL_3D_INPUT_X_WEIGHT, OUTPUT: PM.PARALLEL_3D_INPUT_X_OUTPUT}
-
-
-def cube_side(size: int) -> int:
-    """d, the side of the d x d x d cube of ``size`` ranks."""
-    return round(size ** (1 / 3))
-
-
-def cube_groups(size: int, depth: int = 1) -> dict[PM, list[list[int]]]:
-    """One tensor block's groups: rank (i, j, k) is tensor rank ``k*d*d + j*d + i``; one group
-    per axis (its coordinate varies) and per pair of axes (both vary)."""
-    d = cube_side(size)
-    r = range(d)
-
-    def at(i: int, j: int, k: int) -> int:
-        return k * d * d + j * d + i
-
-    return {
-        INPUT: [[at(i, j, k) for i in r] for k, j in product(r, r)],
-        WEIGHT: [[at(i, j, k) for j in r] for k, i in product(r, r)],
-        OUTPUT: [[at(i, j, k) for k in r] for j, i in product(r, r)],
-        PM.PARALLEL_3D_INPUT_X_WEIGHT: [[at(i, j, k) for j, i in product(r, r)] for k in r],
-        PM.PARALLEL_3D_OUTPUT_X_WEIGHT: [[at(i, j, k) for k, j in product(r, r)] for i in r],
-        PM.PARALLEL_3D_INPUT_X_OUTPUT: [[at(i, j, k) for k, i in product(r, r)] for j in r],
-    }
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,9 +1,18 @@
-"""No tensor mode: every rank of a model replica holds every layer whole and the whole batch."""
+"""No tensor mode: every rank of a model replica holds every layer whole and the whole batch.
 
-from gridtrain.parallel.tensor.none.layers import Classifier, PatchEmbedding
-from gridtrain.parallel.tensor.none.loss import CrossEntropyLoss, accuracy, split_batch
-from gridtrain.parallel.tensor.spec import TensorMode
+``geometry.py`` is the torch-free half (``tensor/geometry.py``'s base as it is);
+``runtime.py`` builds ``MODE``. The names below load on first use.
+"""
 
-MODE = TensorMode(None, split_batch, CrossEntropyLoss, accuracy)
+from gridtrain.parallel.tensor.lazy import exports
 
-__all__ = ["MODE", "Classifier", "CrossEntropyLoss", "PatchEmbedding", "accuracy", "split_batch"]
+_WHERE = {
+    "MODE": "runtime",
+    "Classifier": "layers",
+    "PatchEmbedding": "layers",
+    "CrossEntropyLoss": "loss",
+    "accuracy": "loss",
+    "split_batch": "loss",
+}
+__all__ = sorted(_WHERE)
+__getattr__ = exports(__name__, _WHERE)

@@ -1,78 +1,32 @@
 """Sequence parallelism: positions split over SEQUENCE, ring self-attention, token losses.
 
-``MODE`` is the mode's spec (``tensor/spec.py``): every weight stays whole, so the
-plan only gives each dropout its per-rank stream; ``layout.py`` splits the batch,
-``loss.py`` sums token losses over the sequence group; ``sdpa.py`` runs a plain model's
-``scaled_dot_product_attention`` as ring attention."""
+``geometry.py`` is the torch-free half (one SEQUENCE group, the data x sequence groups that
+average gradients, the collectives ``gridtrain estimate`` counts, ``costs.py``);
+``runtime.py`` builds ``MODE``, the mode's spec: ``layout.py`` splits the batch, ``loss.py``
+sums token losses over the sequence group, ``attention.py`` (on ``ring.py``) is ring
+self-attention, ``sdpa.py`` runs a plain model's ``scaled_dot_product_attention`` as ring
+attention. The names below load on first use.
+"""
 
-from gridtrain.parallel.tensor.dropout import dropout_factory
-from gridtrain.parallel.tensor.plan import (
-    ATTENTION,
-    DROPOUT,
-    EMBEDDING,
-    LINEAR,
-    NORM,
-    OPAQUE,
-    PATCH,
-)
-from gridtrain.parallel.tensor.sequence.attention import VARIANTS, ring_attention
-from gridtrain.parallel.tensor.sequence.layout import (
-    SEQUENCE,
-    is_sequence_sharded,
-    mark_sequence_sharded,
-    position_ids,
-    sequence_group,
-    split_batch,
-)
-from gridtrain.parallel.tensor.sequence.loss import CrossEntropyLoss, accuracy
-from gridtrain.parallel.tensor.sequence.mha import SequenceMultiheadAttention
-from gridtrain.parallel.tensor.sequence.sdpa import (
-    SequenceAttention,
-    SequenceAttentionError,
-    attention_route,
-    replay_route,
-)
-from gridtrain.parallel.tensor.spec import TensorMode, one_group
+from gridtrain.parallel.tensor.lazy import exports
 
-
-def _replicated(kinds, given, flow, modules, n):
-    """Weights are replicated; only dropout masks differ per rank (module docstring), and
-    ``nn.MultiheadAttention`` attends over the split positions (``mha.py``)."""
-    styles = {m: "heads" if k == ATTENTION else "replicate" for m, k in kinds.items()}
-    return styles, {m: "sequence: replicated" for m in kinds}
-
-
-MODE = TensorMode(
-    "sequence",
-    split_batch,
-    CrossEntropyLoss,
-    accuracy,
-    groups=one_group(SEQUENCE),
-    layers={
-        (DROPOUT, "replicate"): (dropout_factory(SEQUENCE), {}),
-        (ATTENTION, "heads"): (SequenceMultiheadAttention, {}),
-    },
-    kept=frozenset({LINEAR, EMBEDDING, NORM, PATCH, OPAQUE}),
-    infer_styles=_replicated,
-    tie_alternatives=("replicate",),
-    forward_mode=attention_route,
-)
-
-__all__ = [
-    "MODE",
-    "SEQUENCE",
-    "VARIANTS",
-    "CrossEntropyLoss",
-    "SequenceAttention",
-    "SequenceAttentionError",
-    "SequenceMultiheadAttention",
-    "accuracy",
-    "attention_route",
-    "is_sequence_sharded",
-    "mark_sequence_sharded",
-    "position_ids",
-    "replay_route",
-    "ring_attention",
-    "sequence_group",
-    "split_batch",
-]
+_WHERE = {
+    "MODE": "runtime",
+    "SEQUENCE": "layout",
+    "is_sequence_sharded": "layout",
+    "mark_sequence_sharded": "layout",
+    "position_ids": "layout",
+    "sequence_group": "layout",
+    "split_batch": "layout",
+    "VARIANTS": "attention",
+    "ring_attention": "attention",
+    "CrossEntropyLoss": "loss",
+    "accuracy": "loss",
+    "SequenceMultiheadAttention": "mha",
+    "SequenceAttention": "sdpa",
+    "SequenceAttentionError": "sdpa",
+    "attention_route": "sdpa",
+    "replay_route": "sdpa",
+}
+__all__ = sorted(_WHERE)
+__getattr__ = exports(__name__, _WHERE)

@@ -15,7 +15,7 @@ from gridtrain.parallel.tensor.sequence.layout import (
     sequence_group,
     splits_sequence,
 )
-from gridtrain.parallel.tensor.sequence.ring_attention import (
+from gridtrain.parallel.tensor.sequence.ring import (
     allowed_mask,
     capped,
     default_scale,
