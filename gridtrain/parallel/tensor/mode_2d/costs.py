@@ -44,11 +44,11 @@ def layer(c: Any, name: str, e: Any, axes: tuple) -> None:
             c.ar(dep, v * dim / q**2, "w", f"{name}: weight gradient over depth")
     elif e.layer == "VocabParallelClassifier":
         k, v = c.dims(e)
-        w, c = k * v / q**2, t * v / q
+        w, logits = k * v / q**2, t * v / q
         c.add(col, "broadcast", 2 * q * w, "w", f"{name}: weight panels (SUMMA)", fwd=0.5)
         c.add(col, "reduce", q * w, "e", f"{name}: weight-gradient partials")
-        c.add(row, "reduce", q * c, "e", f"{name}: logit partials", fwd=1.0)
-        c.add(row, "broadcast", 2 * q * c, "e", f"{name}: logit-gradient panels")
+        c.add(row, "reduce", q * logits, "e", f"{name}: logit partials", fwd=1.0)
+        c.add(row, "broadcast", 2 * q * logits, "e", f"{name}: logit-gradient panels")
         if dep is not None:
             c.ar(dep, w, "w", f"{name}: weight gradient over depth")
 
