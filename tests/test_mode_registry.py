@@ -33,13 +33,14 @@ def _train(rank: int, world: int, port: int, batches) -> dict:
         opt, sched = tiny_lm.optimizer_and_scheduler(model)
         engine, *_ = gt.initialize(model, opt, tiny_lm.lm_loss, lr_scheduler=sched)
         losses = [engine_step(engine, *data_rows(b, ctx), ctx) for b in batches]
+        state = gt.full_state_dict(engine.model)  # collective: every rank gathers
         out = dict(
             mode=ctx.tensor_mode,
             group=ctx.ranks(gt.ParallelMode.PARALLEL_1D),
             losses=losses,
             share=param_share(engine, tiny_lm.dense_numel()),
             plan=str(engine.plan),
-            state=gt.full_state_dict(engine.model) if rank == 0 else None,
+            state=state if rank == 0 else None,
         )
         gt.destroy()
         return out
