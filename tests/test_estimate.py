@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from gridtrain.config import Config
+from gridtrain.config import Config, ConfigError
 from gridtrain.estimate import (
     Scenario,
     SearchOptions,
@@ -29,6 +29,7 @@ from gridtrain.estimate.measure import format_measured, measure
 from gridtrain.estimate.memory import block_items, in_flight
 from gridtrain.estimate.model_files import from_hf_config
 from gridtrain.estimate.models import ModelSpec
+from gridtrain.estimate.scenario import EstimateError
 from gridtrain.estimate.shards import tensor_config
 from gridtrain.parallel.layout import Layout
 from gridtrain.parallel.mode import ParallelMode as PM
@@ -277,6 +278,17 @@ def test_cli_names_the_group_and_the_divisor(tmp_path, capsys):
     assert code == 2 and "d*d = 4 batch blocks of the cube: micro-batch 2 % 4 != 0" in err
     code, _, err = _run(["--model", "gpt5", "--world-size", "8"], capsys)
     assert code == 2 and "unknown model 'gpt5'" in err
+
+
+def test_interleaved_microbatches_checked_as_the_config_checks_them():
+    """The estimate runs the engine's own micro-batch check, so its message is the config's."""
+    with pytest.raises(ConfigError) as loaded:
+        Config.from_dict({"parallel": {"pipeline": {"size": 2, "num_chunks": 2}},
+                          "num_microbatches": 3})  # fmt: skip
+    with pytest.raises(EstimateError) as estimated:
+        Scenario(world=4, pipeline=2, chunks=2, pipeline_micro=3).check(get_model("gpt2-124m"))
+    assert "num_microbatches 3 % pipeline 2 != 0" in str(estimated.value)
+    assert str(estimated.value) in str(loaded.value)
 
 
 def test_cli_says_by_how_much_it_does_not_fit(capsys):

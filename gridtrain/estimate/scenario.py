@@ -15,6 +15,7 @@ import functools
 from typing import Any
 
 from gridtrain.config import Config
+from gridtrain.config.pipeline import check_microbatches
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.shards import LayerShards, TensorShards, tensor_shards
 from gridtrain.estimate.skeleton import meta_skeleton
@@ -72,6 +73,12 @@ class Scenario:
     @property
     def global_batch(self) -> int:
         return self.data * self.micro_batches * self.micro_batch
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule that runs (``PipelineConfig.schedule_name``): interleaved with
+        several chunks per stage, else 1F1B."""
+        return "interleaved" if self.chunks > 1 else "1f1b"
 
     @property
     def gemini(self) -> bool:
@@ -189,11 +196,10 @@ class Scenario:
                 f"{spec.layers} blocks + embed + head = {spec.layers + 2} layers cannot fill "
                 f"pipeline {self.pipeline} x {self.chunks} chunks = {parts} parts"
             )
-        if self.chunks > 1 and self.pipeline_micro % self.pipeline:
-            raise EstimateError(
-                f"the interleaved schedule needs num_microbatches divisible by the pipeline size: "
-                f"{self.pipeline_micro} % {self.pipeline} != 0"
-            )
+        try:  # the engine's own check, with its message
+            check_microbatches(self.schedule, self.pipeline_micro, self.pipeline, self.chunks)
+        except ValueError as err:
+            raise EstimateError(str(err)) from None
         try:
             return tensor_shards(spec, mode, t, self.depth)
         except PlanError as err:
