@@ -43,8 +43,11 @@ from gridtrain.parallel.zero.memory_rules import (
     MASTERS,
     OPTIMIZER_STATE,
     PARAMETERS,
+    gemini_host_buffers,
+    gemini_reduce_bytes,
     gradients_between_backwards,
 )
+from gridtrain.parallel.zero.offload_plan import ChunkShape, transfer_per_step
 
 CATEGORIES = (PARAMETERS, MASTERS, GRADIENTS, OPTIMIZER_STATE)  # the engine's, less activations
 
@@ -297,25 +300,38 @@ def _fsdp(params: Sequence[Param], r: Rules) -> ModelStates:
 
 
 # ---- Gemini ---------------------------------------------------------------------------------
+def _gemini_chunks(params: Sequence[Param]) -> list[list[Param]]:
+    """Gemini's chunks, as ``offload_plan.group_units`` makes them: one per unit (a block, or
+    the root's own parameters) and data-parallel group, in registration order."""
+    chunks: dict[tuple[int, int], list[Param]] = {}
+    for p in params:
+        chunks.setdefault((p.unit if p.block else 0, p.group), []).append(p)
+    return list(chunks.values())
+
+
 def _gemini(params: Sequence[Param], r: Rules) -> ModelStates:
-    """Every chunk resident: compute-dtype copies on the device; a chunk's fp32 send buffer
-    (``n`` segments) and its compute gradients while it is reduced; the host keeps the rows
-    of fp32 masters, gradients and moments, and two staging buffers of the largest chunk's
-    segment for the gradients arriving in each backward (``offload_plan.host_bytes``)."""
+    """Every chunk resident: compute-dtype copies on the device; a chunk's send buffer (``n``
+    segments, ``memory_rules.gemini_reduce_bytes``) and its compute gradients while it is
+    reduced; the host keeps the rows of fp32 masters, gradients and moments, and the link's
+    pinned buffers (``memory_rules.gemini_host_buffers``: gradient staging in the link's dtype,
+    upload casts in the compute dtype). The link's bytes per step are ``offload_plan``'s."""
     full = sum(p.numel for p in params)
     rows = sum(p.chunk() for p in params)
-    units: dict[int, list[Param]] = {}
-    for p in params:
-        units.setdefault(p.unit if p.block else 0, []).append(p)
-    staging = 2 * max((sum(p.chunk() for p in ps) for ps in units.values()), default=0) * 4.0
-    chunk = max(
-        (sum(p.chunk() for p in ps) * max(p.group for p in ps) * 4 + sum(p.numel for p in ps) * r.c
-         for ps in units.values()),
-        default=0.0,
-    )  # fmt: skip
-    device = {PARAMETERS: full * r.c, MASTERS: 0.0, GRADIENTS: chunk, OPTIMIZER_STATE: 0.0}
-    host = {PARAMETERS: 0.0, MASTERS: rows * 4.0, GRADIENTS: rows * 4.0 + staging,
-            OPTIMIZER_STATE: _state(params, rows)}  # fmt: skip
-    parts = {"weights": full * r.c, "grads": 0.0, "in_flight": chunk, "rows": rows,
-             "pcie_h2d": rows * 4.0, "pcie_d2h": rows * 4.0 * r.backwards}  # fmt: skip
+    bf16 = r.amp == "bf16"
+    chunks = [
+        (ChunkShape(sum(p.chunk() for p in ps), sum(p.numel for p in ps), True), ps[0].group)
+        for ps in _gemini_chunks(params)
+    ]
+    sending = max(
+        (c.segment * n * gemini_reduce_bytes(n, r.c, 4, bf16) + c.numel * r.c for c, n in chunks),
+        default=0,
+    )
+    largest = max((c.segment for c, _ in chunks), default=0)
+    link = gemini_host_buffers(largest, largest, r.c, 4, bf16)  # every chunk resident
+    moved = transfer_per_step([c for c, _ in chunks], r.backwards, r.c, 4, bf16)
+    device = {PARAMETERS: full * r.c, MASTERS: 0.0, GRADIENTS: sending, OPTIMIZER_STATE: 0.0}
+    host = {PARAMETERS: link[PARAMETERS], MASTERS: rows * 4.0,
+            GRADIENTS: rows * 4.0 + link[GRADIENTS], OPTIMIZER_STATE: _state(params, rows)}  # fmt: skip
+    parts = {"weights": full * r.c, "grads": 0.0, "in_flight": sending, "rows": rows,
+             "pcie_h2d": moved["h2d"], "pcie_d2h": moved["d2h"]}  # fmt: skip
     return ModelStates(device, host, parts)

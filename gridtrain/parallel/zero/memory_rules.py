@@ -32,8 +32,12 @@ Gemini's host link (``gemini_link_bytes``, ``GEMINI_STAGING_BUFFERS``): each bac
 gradient rows cross it in the compute dtype when the run is bf16 (the compute gradients are
 bf16 already; a group of several ranks reduces in fp32 first) and in the masters' dtype
 otherwise, and are summed into the fp32 rows on the host; the masters go back to the device
-in the compute dtype (cast on the host). ``offload_plan`` turns these into bytes per step
-and host bytes; the runtime takes its dtypes from the same function.
+in the compute dtype (cast on the host). A chunk's gradients are reduce-scattered on the device
+from a buffer of the masters' dtype over a group of several ranks, of the link's over one
+(``gemini_reduce_bytes``). The link's pinned host buffers (``gemini_host_buffers``) count as
+gradients (staging) and parameters (upload casts). ``offload_plan`` turns these into bytes
+per step and host bytes, ``gridtrain estimate`` into each category's bytes; the runtime takes
+its dtypes and buffer counts from the same functions.
 
 Everything here is plain Python on ints and strings (no torch), so ``gridtrain estimate``
 imports it without torch; names and signatures are kept stable for it.
@@ -94,3 +98,34 @@ def gemini_link_bytes(compute_bytes: int, master_bytes: int = 4, bf16: bool = Fa
     fetches: the compute dtype, never wider than the masters."""
     gradient = compute_bytes if bf16 else master_bytes
     return gradient, min(compute_bytes, master_bytes)
+
+
+def gemini_reduce_bytes(
+    group: int, compute_bytes: int, master_bytes: int = 4, bf16: bool = False
+) -> int:
+    """Bytes per element of the device buffer a Gemini chunk's gradients are reduce-scattered
+    from: the masters' dtype over a group of several ranks (the mean of ``group`` compute-dtype
+    gradients is summed wide, then its rows cast for the link), else the link's gradient dtype."""
+    if group > 1:
+        return master_bytes
+    return gemini_link_bytes(compute_bytes, master_bytes, bf16)[0]
+
+
+def gemini_host_buffers(
+    largest_segment: int,
+    largest_cast_segment: int,
+    compute_bytes: int,
+    master_bytes: int = 4,
+    bf16: bool = False,
+) -> dict[str, int]:
+    """Host bytes of Gemini's pinned link buffers, by category: ``GRADIENTS``, the
+    ``GEMINI_STAGING_BUFFERS`` buffers of the largest chunk's row segment (elements) in the
+    link's gradient dtype that a backward's gradients land in; ``PARAMETERS``, as many of the
+    largest resident chunk's segment (``largest_cast_segment``) in the compute dtype that its
+    masters are cast into before an upload, where the compute dtype is narrower."""
+    grad, _ = gemini_link_bytes(compute_bytes, master_bytes, bf16)
+    cast = largest_cast_segment * compute_bytes if compute_bytes < master_bytes else 0
+    return {
+        GRADIENTS: GEMINI_STAGING_BUFFERS * largest_segment * grad,
+        PARAMETERS: GEMINI_STAGING_BUFFERS * cast,
+    }

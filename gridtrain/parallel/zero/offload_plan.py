@@ -25,7 +25,7 @@ from torch import nn
 from gridtrain.config import AMP_TYPE
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.tags import get_dp_mode
-from gridtrain.parallel.zero.memory_rules import GEMINI_STAGING_BUFFERS, gemini_link_bytes
+from gridtrain.parallel.zero.memory_rules import gemini_host_buffers, gemini_link_bytes
 
 AUTO_FRACTION = 0.55  # device_param_mb=None on CUDA: this share of the memory limit
 
@@ -128,11 +128,10 @@ def host_bytes(
         total += 4 * c.segment * master_bytes
         if not c.resident and compute_bytes < master_bytes:
             total += c.segment * compute_bytes
-    grad, _ = gemini_link_bytes(compute_bytes, master_bytes, bf16)
     largest = max((c.segment for c in chunks), default=0)
-    total += GEMINI_STAGING_BUFFERS * largest * grad
-    cast = [c.segment for c in chunks if c.resident and compute_bytes < master_bytes]
-    return total + GEMINI_STAGING_BUFFERS * max(cast, default=0) * compute_bytes
+    cast = max((c.segment for c in chunks if c.resident), default=0)
+    link = gemini_host_buffers(largest, cast, compute_bytes, master_bytes, bf16)
+    return total + sum(link.values())
 
 
 def device_param_bytes(chunks: list[ChunkShape], compute_bytes: int) -> int:
