@@ -32,17 +32,19 @@ from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
 from gridtrain.estimate.shards import LayerShards, TensorShards
+from gridtrain.estimate.states import Rules
 
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.fc2", "mlp.gate")
 
 
 def dtype_bytes(amp: str | None) -> dict[str, int]:
-    """Bytes of: e compute (matmul in/out), r residual stream, w weights, f fp32, b bool, i int64."""
-    half = amp is not None
+    """Bytes of: e compute (matmul in/out), r residual stream, w weights, f fp32, b bool, i int64.
+    The model's own dtype (``r``, ``w``) is the model-state rules' (``Rules.w``)."""
+    model = Rules(amp=amp).w
     return {
-        "e": 2 if half else 4,
-        "r": 2 if amp == "naive" else 4,
-        "w": 2 if amp == "naive" else 4,
+        "e": 2 if amp is not None else 4,
+        "r": model,
+        "w": model,
         "f": 4,
         "b": 1,
         "i": 8,
@@ -163,7 +165,7 @@ def _weight_copies(geo: Geometry, sc: Scenario, layer: LayerShards, linears) -> 
     nb = dtype_bytes(sc.amp)
     if geo.mode == "3d":
         return [("gathered weights", sum(local) * geo.side * nb["e"])]
-    cast = sc.zero == 3 and (sc.offload or sc.amp == "bf16")
+    cast = sc.zero == 3 and sc.rules.c == 2  # FSDP2's / Gemini's 16-bit compute copies
     if sc.amp in ("torch", "bf16") and geo.mode in (None, "1d", "sequence") and not cast:
         return [("autocast weight copies", sum(local) * nb["e"])]
     return []
