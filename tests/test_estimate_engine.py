@@ -1,4 +1,4 @@
-"""``gridtrain estimate`` against ``engine.memory()``: 16 layouts on gloo, per rank, at the peak of
+"""``gridtrain estimate`` against ``engine.memory()``: 17 layouts on gloo, per rank, at the peak of
 a step.
 
 The estimator's model (``gridtrain.estimate.skeleton.Decoder``) is trained through
@@ -14,7 +14,7 @@ category, on the device and in host memory, and the estimate for the same config
   bytes per row, the indices of a gather).
 
 Layouts (4 ranks unless said): data 4 under no ZeRO, ZeRO 1, 2, 3 and Gemini, each with
-gradient accumulation 1 and 4; pipeline 2 x data 2 under ZeRO 1 and 2 with 8
+gradient accumulation 1 and 4, and Gemini in bf16 with accumulation 4; pipeline 2 x data 2 under ZeRO 1 and 2 with 8
 micro-batches; 1d 2 x data 2 under ZeRO 2; 2d 4; sequence 2 x data 2; MoE with experts
 spread over 2 ranks. ZeRO 1-2 buckets are 0.1 MB here (about half a block), so buckets
 in flight are a few of many, as at scale.
