@@ -59,7 +59,10 @@ def plan_model(model: nn.Module, ctx: ParallelContext, example: Any) -> tuple[di
     from gridtrain.hf import families
     from gridtrain.hf.patches import give_reset_parameters
     from gridtrain.hf.plans import tensor_plan, trace_example
+    from gridtrain.hf.sequence_checks import refuse_random_draws
 
+    if not ctx.tensor_geometry.splits_sequence:  # under sequence: attention.install's run
+        refuse_random_draws(model, ctx.tensor_mode)
     plan = tensor_plan(model, ctx)
     plan.update(families.check(model, ctx.tensor_mode, ctx.config.parallel.tensor.plan or {}))
     if not model.config.architectures:

@@ -130,18 +130,44 @@ class RandomDraws(TorchFunctionMode):
             self.draws.append((self._stack[-1], getattr(func, "__name__", str(func))))
         return func(*args, **(kwargs or {}))
 
-    def refuse(self) -> None:
-        """A ``PlanError`` naming the first draw, if any."""
+    def refuse(self, mode: str | None = None) -> None:
+        """A ``PlanError`` naming the first draw, if any (``mode``: a tensor mode other than
+        sequence, whose ranks run replicated code such as a router on their own streams)."""
         if not self.draws:
             return
         path, func = self.draws[0]
         module = type(self.model.get_submodule(path)).__name__
+        where = f"{type(self.model).__name__}'s '{path}' ({module})"
+        if mode is not None:
+            raise PlanError(
+                f"tensor mode {mode!r}: {where} draws random numbers in its training forward "
+                f"({func}, outside dropout), which ranks of a tensor group would draw from "
+                "their own streams for the same tokens, so their copies of what it computes "
+                "would differ; use data or pipeline parallelism for this model"
+            )
         raise PlanError(
-            f"sequence parallelism: {type(self.model).__name__}'s '{path}' ({module}) draws "
+            f"sequence parallelism: {where} draws "
             f"random numbers in its training forward ({func}, outside dropout): one process's "
             f"draws cannot be cut by positions, and each rank would draw the same numbers for "
             f"its own tokens; {_ADVICE}"
         )
+
+
+def refuse_random_draws(model: nn.Module, mode: str) -> None:
+    """Run ``model``'s training forward once on meta and refuse (``RandomDraws.refuse``) a
+    random draw outside dropout under tensor ``mode``; a model that cannot run on meta is
+    left to the planner's own checks."""
+    from gridtrain.parallel.tensor.trace import run_on_meta
+
+    ids = torch.zeros((1, 4), dtype=torch.long)
+    draws = RandomDraws(model)
+    try:
+        with training(model):
+            # no mask: Hugging Face's mask code reads its values, which meta tensors lack
+            run_on_meta(model, {"input_ids": ids}, modes=(draws,))
+    except Exception:  # noqa: BLE001 - what was drawn before the failure is still known
+        pass
+    draws.refuse(mode)
 
 
 @contextlib.contextmanager

@@ -237,10 +237,8 @@ EXPECTED: dict[str, dict[str, str]] = {
         "seq2": "no attention interface",
     },
     "gpt_oss": {
-        "1d2": "experts' forward signature",
+        "1d2": "code fails on a rank's shapes",
         "2d4": "experts under a grid",
-        "pp2": "experts' forward signature",
-        "seq2": "experts' forward signature",
     },
     "granite_swa": {
         "1d2": "code fails on a rank's shapes",
@@ -269,7 +267,6 @@ EXPECTED: dict[str, dict[str, str]] = {
     "laguna": {"2d4": "experts under a grid"},
     "lfm2": {"pp2": "no pipeline plan"},
     "llama4_text": {
-        "1d2": "code fails on a rank's shapes",
         "2d4": "weightless norm under a grid",
         "pp2": "no pipeline plan",
         "seq2": "chunked attention",
@@ -304,7 +301,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "opt": {"pp2": "no pipeline plan"},
     "persimmon": {"pp2": "no pipeline plan"},
     "phimoe": {
-        "1d2": "code fails on a rank's shapes",
+        "1d2": "random draws outside dropout",
         "2d4": "experts under a grid",
         "pp2": "no pipeline plan",
         "seq2": "random draws outside dropout",

@@ -49,9 +49,10 @@ def _probe(module: nn.Linear) -> bool:
     b = torch.randn(rows, generator=gen, dtype=torch.float64) if module.bias is not None else None
     given = {"weight": w} if b is None else {"weight": w, "bias": b}
     x = torch.randn(3, module.weight.shape[1], generator=gen, dtype=torch.float64)
+    want = F.linear(x, w, b)
     try:
         y = torch.func.functional_call(module, stand_ins(module, gen, **given), (x,))
+        # a forward computing in float32 (a head upcasting its input) is still F.linear
+        return y.shape == want.shape and torch.allclose(y.double(), want, rtol=1e-4, atol=1e-5)
     except Exception:  # noqa: BLE001 - a forward that needs more than a Linear has: not one
         return False
-    want = F.linear(x, w, b)
-    return isinstance(y, Tensor) and y.shape == want.shape and torch.allclose(y, want)
