@@ -81,7 +81,11 @@ QUICK_2D = [
 ]
 # cells make test adds: each refusal issue 32 added for what a layout cannot run exactly
 # (refused at gt.initialize: no step, no plain run)
-QUICK_EXTRA = {"seq2": ["minimax", "phimoe", "dory", "llama4_text"], "pp2": ["hrm_text"]}
+QUICK_EXTRA = {
+    "seq2": ["minimax", "phimoe", "dory", "llama4_text"],
+    "pp2": ["hrm_text"],
+    "1d2": ["phimoe"],
+}
 
 
 def families(layout_name: str | None = None) -> list[str]:
