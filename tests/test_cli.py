@@ -272,7 +272,13 @@ FAKE_SSH = """#!/bin/sh
 while [ "$1" != "--" ]; do shift; done
 shift
 echo "hello from $1"
-case "$1" in bad) exit 5;; slow) exec sleep 60;; esac
+touch "$FAKE_SSH_DIR/$1.said"
+# bad fails only once the others have spoken (under load a host may start late)
+case "$1" in
+  bad) i=0; while [ $i -lt 300 ] && ! { [ -e "$FAKE_SSH_DIR/good.said" ] && \
+         [ -e "$FAKE_SSH_DIR/slow.said" ]; }; do sleep 0.1; i=$((i + 1)); done; exit 5;;
+  slow) exec sleep 60;;
+esac
 """
 
 
@@ -282,11 +288,12 @@ def test_run_hosts_prefixes_output_and_stops_the_rest_when_a_host_fails(files, m
     ssh.write_text(FAKE_SSH)
     ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{ssh.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_DIR", str(files))
     spec = RunSpec(config="/c.py", script="train.py", hosts=["good", "slow", "bad"], nnodes=3)
 
     start = time.monotonic()
     assert run_hosts(build_host_commands(spec)) == 5
-    assert time.monotonic() - start < 10, "the slow host was not stopped"
+    assert time.monotonic() - start < 40, "the slow host (sleep 60) was not stopped"
     captured = capsys.readouterr()
     for host in ("good", "slow", "bad"):
         assert f"[{host}] hello from {host}\n" in captured.out
