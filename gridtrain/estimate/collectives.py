@@ -64,6 +64,8 @@ class LayerCollectives:
         self.t = geo.tokens(tokens)  # one rank's rows of an activation block
         self.nb = dtype_bytes(sc.amp)
         self.out: list[Collective] = []
+        groups = geo.rules.groups(geo.size, geo.depth)  # the mode's own groups of one block
+        self.sizes = {group: len(ranks[0]) for group, ranks in groups.items()}
 
     def add(self, group, op, elements, dtype, what, calls=1.0, fwd=0.0):
         """``fwd``: the share of these bytes sent in the forward pass (recompute repeats it)."""
@@ -73,14 +75,7 @@ class LayerCollectives:
             self.out.append(c)
 
     def _size(self, group) -> int:
-        g = self.geo
-        if group in (PM.PARALLEL_1D, PM.SEQUENCE):
-            return g.size
-        if group == PM.PARALLEL_2P5D_DEP:
-            return g.depth
-        if group in (PM.PARALLEL_3D_INPUT_X_WEIGHT, PM.PARALLEL_3D_INPUT_X_OUTPUT):
-            return g.side**2
-        return g.side
+        return self.sizes[group]
 
     def ar(self, group, elements, dtype, what, calls=1.0, fwd=0.0):
         n = self._size(group)

@@ -58,6 +58,11 @@ class Geometry:
         return self.rules.hidden_parts(self)
 
     @property
+    def head_parts(self) -> int:
+        """Ways attention heads are split (the mode's ``head_split``)."""
+        return self.rules.head_split(self.size, self.depth)[0]
+
+    @property
     def gather(self) -> int:
         """How many times more rows a Linear saves than the rank's block (3d's input gather)."""
         return self.rules.gather(self)

@@ -69,8 +69,7 @@ def _norm(name: str, spec: ModelSpec, geo: Geometry, t: float, nb, fused: bool) 
 
 
 def _linear_input(name, width, role, geo: Geometry, t: float, nb, after_norm: bool) -> list[Item]:
-    # a SUMMA Function keeps its operands as they come (fp32 norm outputs under autocast)
-    dtype = "r" if geo.mode in ("2d", "2.5d") and after_norm else "e"
+    dtype = geo.rules.linear_input_dtype(after_norm)
     return [(f"{name} input", t * geo.gather * geo.in_width(width, role) * nb[dtype])]
 
 
@@ -81,7 +80,7 @@ def block_items(
     nb = dtype_bytes(sc.amp)
     t = geo.tokens(tokens)
     h = spec.hidden
-    heads = spec.heads / (1 if geo.mode in (None, "sequence") else geo.side)
+    heads = spec.heads / geo.head_parts
     items: list[Item] = _norm("norm1", spec, geo, t, nb, fused)
     items += _linear_input("qkv", h, "column", geo, t, nb, True)
     if spec.heads == spec.num_kv_heads:
@@ -130,15 +129,9 @@ def _moe(spec: ModelSpec, geo: Geometry, sc: Scenario, t: float, nb) -> list[Ite
 
 
 def _attention(spec, geo: Geometry, sc: Scenario, t: float, heads: float, nb) -> list[Item]:
-    if geo.mode == "sequence" and geo.size > 1:
-        s = spec.seq_len
-        if sc.ring == "online":  # fp32 output and log-sum-exp
-            return [("ring attention output (fp32)", t * spec.hidden * 4), ("lse", t * heads * 4)]
-        probs = t * heads * s  # this rank's s/N x S probability rows
-        items = [("ring attention probabilities", probs * 4), ("causal mask", t / geo.size * s)]
-        if nb["e"] != 4:
-            items.append(("probabilities (compute dtype)", probs * nb["e"]))
-        return items
+    own = geo.rules.attention_items(geo, sc, spec, t, heads, nb)  # sequence: the ring's
+    if own is not None:
+        return own
     if sc.attention == "math":  # unfused: scores kept (and dropped out, with dropout)
         scores = t * heads * spec.seq_len
         items = [("attention probabilities", scores * nb["e"])]
@@ -148,7 +141,7 @@ def _attention(spec, geo: Geometry, sc: Scenario, t: float, heads: float, nb) ->
                 ("dropped probabilities", scores * nb["e"]),
             ]
         return items
-    width = spec.hidden / (geo.size if geo.mode == "1d" else geo.hidden_parts)
+    width = spec.hidden / geo.head_parts  # the heads this rank attends with
     return [("attention output", t * width * nb["e"]), ("attention lse", t * heads * 4)]
 
 
@@ -163,10 +156,11 @@ def _weight_copies(geo: Geometry, sc: Scenario, layer: LayerShards, linears) -> 
         or ".experts." in key
     ]
     nb = dtype_bytes(sc.amp)
-    if geo.mode == "3d":
-        return [("gathered weights", sum(local) * geo.side * nb["e"])]
+    kept = geo.rules.saved_weights(geo)
+    if kept:
+        return [("gathered weights", sum(local) * kept * nb["e"])]
     cast = sc.zero == 3 and sc.rules.c == 2  # FSDP2's / Gemini's 16-bit compute copies
-    if sc.amp in ("torch", "bf16") and geo.mode in (None, "1d", "sequence") and not cast:
+    if sc.amp in ("torch", "bf16") and not geo.grid and not cast:  # a plain F.linear
         return [("autocast weight copies", sum(local) * nb["e"])]
     return []
 
@@ -174,9 +168,7 @@ def _weight_copies(geo: Geometry, sc: Scenario, layer: LayerShards, linears) -> 
 def embed_items(spec: ModelSpec, geo: Geometry, sc: Scenario, tokens: int) -> list[Item]:
     """Token (and position) lookups keep their ids and ownership masks."""
     t = geo.tokens(tokens)
-    ids = t * (geo.side * geo.depth if geo.mode in ("2d", "2.5d") else geo.gather)
-    if geo.mode == "1d":
-        ids = tokens
+    ids = t * geo.rules.lookup_rows(geo)
     tables = 2 if spec.positions else 1
     items = [("embedding ids and masks", tables * ids * 9)]
     if spec.dropout:
@@ -201,12 +193,11 @@ def head_items(
         return items + [("hidden-state gradient", t * width * nb["e"]),
                         ("head weight gradient (fp32)", weights * 4)]  # fmt: skip
     items += _linear_input("LM head", spec.hidden, "column", geo, t, nb, True)
-    if geo.mode in (None, "sequence"):  # dense cross entropy keeps log-softmax (fp32)
+    if geo.rules.vocab_parallel_loss:  # keeps its fp32 softmax block
+        items.append(("vocab-parallel softmax", t * geo.out_width(spec.vocab, "column") * 4))
+        items.append(("loss per-token state", t * 14))
+    else:  # dense cross entropy keeps log-softmax (fp32)
         items.append(("log-softmax", t * spec.vocab * 4))
-    else:  # vocab-parallel cross entropy keeps its fp32 softmax block
-        rows = tokens if geo.mode == "1d" else t
-        items.append(("vocab-parallel softmax", rows * geo.out_width(spec.vocab, "column") * 4))
-        items.append(("loss per-token state", rows * 14))
     items += _weight_copies(geo, sc, head, ("classifier",))
     return items
 

@@ -21,10 +21,9 @@ from gridtrain.estimate.shards import LayerShards, TensorShards, tensor_shards
 from gridtrain.estimate.skeleton import meta_skeleton
 from gridtrain.estimate.states import ModelStates, Param, Rules, model_states
 from gridtrain.parallel.pipeline.balance import LayerCosts, layer_costs, partition
-from gridtrain.parallel.tensor.mode_2d.grid import grid_side
-from gridtrain.parallel.tensor.mode_3d.cube import cube_side
+from gridtrain.parallel.tensor.geometry import ModeGeometry
+from gridtrain.parallel.tensor.modes import geometry_of
 from gridtrain.parallel.tensor.plan import PlanError
-from gridtrain.parallel.tensor.registry import mode_spec
 
 
 class EstimateError(ValueError):
@@ -81,6 +80,11 @@ class Scenario:
         return "interleaved" if self.chunks > 1 else "1f1b"
 
     @property
+    def mode_geometry(self) -> ModeGeometry:
+        """The tensor mode's geometry (``parallel/tensor/<mode>/geometry.py``)."""
+        return geometry_of(self.mode)
+
+    @property
     def gemini(self) -> bool:
         """ZeRO 3 with offload: ``parallel/zero/offload.py``'s runtime."""
         return self.zero == 3 and self.offload
@@ -88,7 +92,7 @@ class Scenario:
     @property
     def zero_group(self) -> int:
         """Ranks a gradient is averaged over (and ZeRO shards over): data, x sequence."""
-        return self.data * (self.tensor if self.mode == "sequence" else 1)
+        return self.data * self.mode_geometry.data_parallel_span(self.tensor)
 
     @property
     def expert_group(self) -> int:
@@ -112,7 +116,7 @@ class Scenario:
 
     def describe(self) -> str:
         mode = f"{self.mode} " if self.mode else ""
-        depth = f" depth {self.depth}" if self.mode == "2.5d" else ""
+        depth = f" depth {self.depth}" if self.mode_geometry.uses_depth else ""
         chunks = f" x {self.chunks} chunks" if self.chunks > 1 else ""
         zero = f", ZeRO-{self.zero}{' offload' if self.offload else ''}" if self.zero else ""
         every = f" of every {self.recompute_every} blocks" if self.recompute_every > 1 else ""
@@ -126,7 +130,7 @@ class Scenario:
     def config_dict(self) -> dict[str, Any]:
         """The gridtrain config keys that give this layout (``zero`` once the engine has it)."""
         tensor: dict[str, Any] = {"size": self.tensor, "mode": self.mode}
-        if self.mode == "2.5d":
+        if self.mode_geometry.uses_depth:
             tensor["depth"] = self.depth
         pipeline: dict[str, Any] = {"size": self.pipeline}
         if self.chunks > 1:
@@ -172,23 +176,25 @@ class Scenario:
             raise EstimateError(f"attention must be 'flash' or 'math', got {self.attention!r}")
         if self.recompute not in ("none", "full"):
             raise EstimateError(f"recompute must be 'none' or 'full', got {self.recompute!r}")
-        heads_split, what = mode_spec(mode).head_split(t, self.depth)
+        rules = self.mode_geometry
+        heads_split, what = rules.head_split(t, self.depth)
         for name, n in (("heads", spec.heads), ("key/value heads", spec.num_kv_heads)):
             if n % heads_split:
                 raise EstimateError(
                     f"{spec.name}'s {n} attention {name} do not split over {what}: "
                     f"{n} % {heads_split} != 0"
                 )
-        rows, rows_what = batch_split(mode, t, self.depth)
+        rows, rows_what = rules.batch_split(t, self.depth)
         if b % rows:
             raise EstimateError(
                 f"tensor mode {mode} splits each micro-batch over {rows_what}: micro-batch {b} "
                 f"% {rows} != 0 (raise the global batch or cut fewer micro-batches)"
             )
-        if mode == "sequence" and spec.seq_len % t:
+        parts, parts_what = rules.sequence_split(t, self.depth)
+        if spec.seq_len % parts:
             raise EstimateError(
-                f"sequence parallelism splits the sequence over SEQUENCE ({t} ranks): "
-                f"sequence length {spec.seq_len} % {t} != 0"
+                f"tensor mode {mode} splits the sequence over {parts_what}: "
+                f"sequence length {spec.seq_len} % {parts} != 0"
             )
         parts = self.pipeline * self.chunks
         if spec.layers + 2 < parts:
@@ -309,17 +315,3 @@ def _stages(spec: ModelSpec, pipeline: int, chunks: int, method: str) -> tuple[S
 
 
 _STATES: dict[tuple, tuple] = {}  # keeps the shards alive, so their id stays theirs
-
-
-def batch_split(mode: str | None, t: int, depth: int) -> tuple[int, str]:
-    """How many blocks a micro-batch's rows are cut into on one tensor group."""
-    if mode == "2d":
-        q = grid_side(t)
-        return q, f"the grid rows (q = {q})"
-    if mode == "2.5d":
-        q = grid_side(t, depth)
-        return depth * q, f"depth {depth} x q {q} = {depth * q} batch blocks"
-    if mode == "3d":
-        d = cube_side(t)
-        return d * d, f"d*d = {d * d} batch blocks of the cube"
-    return 1, "nothing"

@@ -32,7 +32,7 @@ from gridtrain.estimate.estimator import RESERVED_GPU, Estimate, estimate, step_
 from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.memory import in_flight, stage_activations
 from gridtrain.estimate.models import ModelSpec
-from gridtrain.estimate.scenario import EstimateError, Scenario, batch_split
+from gridtrain.estimate.scenario import EstimateError, Scenario
 from gridtrain.parallel.tensor.modes import GEOMETRIES, geometry_of, mode_names
 
 MAX_MICRO_BATCH = 64
@@ -170,7 +170,7 @@ def _candidates(spec, device, world, batch, base, options, p, mode, t, depth, re
         result.reject("global batch does not split over the data ranks")
         return []
     per_dp = batch // data
-    rows = batch_split(mode, t, depth)[0]
+    rows = geometry_of(mode).batch_split(t, depth)[0]
     micro = [b for b in divisors(per_dp) if b % rows == 0 and b <= MAX_MICRO_BATCH]
     if not micro:
         result.reject("micro-batch does not split into the mode's batch blocks")

@@ -174,7 +174,8 @@ def _advice(model: nn.Module, params: dict, loose: list[str]) -> str:
         return better_layout(model, sentence=True)
     return (
         "They are a small part of the model, used by its own code on whole activations: "
-        "tensor mode '1d' (which keeps them whole on every rank) or 'sequence' runs it"
+        f"tensor mode {names_where(lambda g: not g.blocked)} (which keeps them whole on every "
+        "rank) runs it"
     )
 
 

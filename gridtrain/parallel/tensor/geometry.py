@@ -35,7 +35,8 @@ class ModeGeometry:
     tensor group holds consecutive positions of one batch (weights whole; attention looks
     across ranks, token losses are summed over the group). ``uses_depth``: the mode reads
     ``parallel.tensor.depth``. ``blocked``: activations are cut over rows and the hidden dim
-    (every Linear is the mode's own).
+    (every Linear is the mode's own). ``vocab_parallel_loss``: the cross entropy runs on logits
+    cut over the vocabulary (else torch's dense cross entropy on whole logits).
     """
 
     name: str | None = None
@@ -44,6 +45,7 @@ class ModeGeometry:
     splits_sequence: bool = False
     uses_depth: bool = False
     blocked: bool = False
+    vocab_parallel_loss: bool = False
 
     def check(self, size: int, depth: int) -> None:
         """Raise ValueError (with the numbers) if ``size`` ranks in ``depth`` layers cannot
@@ -65,6 +67,20 @@ class ModeGeometry:
         """(ways attention heads are split, the group that splits them, in words)."""
         return 1, "no group"
 
+    def batch_split(self, size: int, depth: int) -> tuple[int, str]:
+        """(blocks a micro-batch's rows are cut into on one tensor block, those blocks in
+        words)."""
+        return 1, "nothing"
+
+    def sequence_split(self, size: int, depth: int) -> tuple[int, str]:
+        """(ways the positions of a sequence are cut, the group that cuts them, in words)."""
+        return 1, "no group"
+
+    def data_parallel_span(self, size: int) -> int:
+        """Ranks of one tensor block inside ``data_parallel`` (with the data ranks, the group
+        a replicated weight's gradient is averaged and ZeRO-sharded over)."""
+        return 1
+
     def fits(self, size: int, heads: int, seq_len: int) -> tuple[int, ...]:
         """The depths at which ``size`` ranks form the mode's block and split ``heads`` (key /
         value heads) or ``seq_len`` positions evenly (``gridtrain estimate --search``)."""
@@ -77,7 +93,7 @@ class ModeGeometry:
 
     def seq_parts(self, g: Any) -> int:
         """Ways the sequence is cut."""
-        return 1
+        return self.sequence_split(g.size, g.depth)[0]
 
     def hidden_parts(self, g: Any) -> int:
         """Ways the residual stream's hidden dim is cut."""
@@ -86,6 +102,26 @@ class ModeGeometry:
     def gather(self, g: Any) -> int:
         """How many times more rows a Linear saves than the rank's block (3d's input gather)."""
         return 1
+
+    def lookup_rows(self, g: Any) -> int:
+        """How many times the rank's rows of token ids an embedding keeps (ids and masks)."""
+        return self.gather(g)
+
+    def saved_weights(self, g: Any) -> int:
+        """Copies of its local weight a Linear saves for backward (3d: the gathered weight);
+        0: the layer saves none of its own (autocast may keep a cast copy)."""
+        return 0
+
+    def linear_input_dtype(self, after_norm: bool) -> str:
+        """What a Linear saves its input as (``estimate.memory.dtype_bytes``' key): the compute
+        dtype ``"e"``, or the residual stream's ``"r"`` where the layer keeps a norm's output
+        as it comes."""
+        return "e"
+
+    def attention_items(self, g: Any, sc: Any, spec: Any, t: float, heads: float, nb: dict):
+        """The (what, bytes) a block's attention saves where the mode runs its own attention
+        (sequence: the ring), else None (SDPA or the unfused math, as ``estimate`` counts)."""
+        return None
 
     def in_width(self, g: Any, width: int, role: str) -> float:
         """Input features of a Linear of role "column" or "row" on one rank."""

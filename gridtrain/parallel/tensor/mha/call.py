@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from gridtrain.parallel.tensor.modes import names_where
 from gridtrain.parallel.tensor.plan import PlanError
 
 
@@ -59,10 +60,12 @@ def read_call(
     if any(t.is_nested for t in (query, key, value)):
         raise PlanError(f"{where}: nested-tensor inputs are not supported")
     if need_weights and not limits.weights:
+        # the modes that keep every row and position whole compute the attention weights
+        whole = names_where(lambda g: not g.blocked and not g.splits_sequence)
         raise PlanError(
             f"{where}: need_weights=True (the default of nn.MultiheadAttention.forward) is not "
             "computed on sharded heads; call it with need_weights=False (as "
-            "nn.TransformerEncoderLayer and torchvision's ViT do), or use tensor mode '1d'"
+            f"nn.TransformerEncoderLayer and torchvision's ViT do), or use tensor mode {whole}"
         )
     if is_causal and attn_mask is None:
         raise PlanError(f"{where}: is_causal=True needs attn_mask, as in torch")

@@ -15,6 +15,7 @@ from gridtrain.parallel.tensor.mode_1d import costs
 class Geometry1D(ModeGeometry):
     name: str | None = "1d"
     runtime: str = "gridtrain.parallel.tensor.mode_1d.runtime:MODE"
+    vocab_parallel_loss: bool = True
 
     def groups(self, size: int, depth: int) -> BlockGroups:
         return {ParallelMode.PARALLEL_1D: [list(range(size))]}

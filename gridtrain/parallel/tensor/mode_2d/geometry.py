@@ -30,6 +30,7 @@ class GridGeometry(ModeGeometry):
     name: str | None = "2d"
     runtime: str = "gridtrain.parallel.tensor.mode_2d.runtime:MODE_2D"
     blocked: bool = True
+    vocab_parallel_loss: bool = True
     axes: Axes = (PM.PARALLEL_2D_ROW, PM.PARALLEL_2D_COL, None)
 
     def check(self, size: int, depth: int) -> None:
@@ -60,6 +61,10 @@ class GridGeometry(ModeGeometry):
         q = grid_side(size, depth)
         return q, f"the grid columns (PARALLEL_2D_ROW, q = {q})"
 
+    def batch_split(self, size: int, depth: int) -> tuple[int, str]:
+        q = grid_side(size)
+        return q, f"the grid rows (q = {q})"
+
     def fits(self, size: int, heads: int, seq_len: int) -> tuple[int, ...]:
         q = math.isqrt(size)
         return (1,) if q * q == size and heads % q == 0 else ()
@@ -69,6 +74,13 @@ class GridGeometry(ModeGeometry):
 
     def hidden_parts(self, g: Any) -> int:
         return g.side
+
+    def lookup_rows(self, g: Any) -> int:
+        return g.depth * g.side
+
+    def linear_input_dtype(self, after_norm: bool) -> str:
+        # a SUMMA Function keeps its operands as they come (fp32 norm outputs under autocast)
+        return "r" if after_norm else "e"
 
     def layer_collectives(self, c: Any, name: str, entry: Any) -> None:
         costs.layer(c, name, entry, self.axes)
@@ -92,6 +104,10 @@ class TesseractGeometry(GridGeometry):
             raise ValueError(
                 f"2.5d needs tensor size = depth x q^2, got size {size} with depth {depth}"
             )
+
+    def batch_split(self, size: int, depth: int) -> tuple[int, str]:
+        q = grid_side(size, depth)
+        return depth * q, f"depth {depth} x q {q} = {depth * q} batch blocks"
 
     def fits(self, size: int, heads: int, seq_len: int) -> tuple[int, ...]:
         """Every depth of at least 2 over grids of side q >= 2 that split the heads."""

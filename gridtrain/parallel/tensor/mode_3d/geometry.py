@@ -45,6 +45,7 @@ class CubeGeometry(ModeGeometry):
     name: str | None = "3d"
     runtime: str = "gridtrain.parallel.tensor.mode_3d.runtime:MODE"
     blocked: bool = True
+    vocab_parallel_loss: bool = True
 
     def check(self, size: int, depth: int) -> None:
         if cube_side(size) ** 3 != size:
@@ -60,6 +61,10 @@ class CubeGeometry(ModeGeometry):
         d = cube_side(size)
         return d, f"the cube's hidden axis (d = {d})"
 
+    def batch_split(self, size: int, depth: int) -> tuple[int, str]:
+        d = cube_side(size)
+        return d * d, f"d*d = {d * d} batch blocks of the cube"
+
     def fits(self, size: int, heads: int, seq_len: int) -> tuple[int, ...]:
         d = cube_side(size)
         return (1,) if d**3 == size and heads % d == 0 else ()
@@ -72,6 +77,9 @@ class CubeGeometry(ModeGeometry):
 
     def gather(self, g: Any) -> int:
         return g.side
+
+    def saved_weights(self, g: Any) -> int:
+        return g.side  # every all-gathered weight is kept for backward
 
     def layer_collectives(self, c: Any, name: str, entry: Any) -> None:
         costs.layer(c, name, entry)

@@ -1,7 +1,8 @@
-"""What sequence parallelism sends, for ``gridtrain estimate`` (``estimate/collectives.py``
-calls these through ``GEOMETRY``; ``c`` is its builder): the ring's K/V blocks
-(``attention.py``, ``ring.py``) and the token losses summed over SEQUENCE
-(``loss.py``). Torch-free, as the rest of the geometry half."""
+"""What sequence parallelism sends and saves, for ``gridtrain estimate``
+(``estimate/collectives.py`` and ``estimate/memory.py`` call these through ``GEOMETRY``;
+``c`` is the collectives' builder): the ring's K/V blocks (``attention.py``, ``ring.py``),
+the token losses summed over SEQUENCE (``loss.py``) and what ring attention keeps for
+backward. Torch-free, as the rest of the geometry half."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def attention(c: Any) -> None:
 def loss(c: Any) -> None:
     c.ar(PM.SEQUENCE, 1, "f", "loss over the sequence (forward and backward)", 2)
     c.ar(PM.SEQUENCE, 1, "f", "token count over the sequence")
+
+
+def attention_items(g: Any, sc: Any, spec: Any, t: float, heads: float, nb: dict) -> list:
+    """What ring attention saves for ``t`` positions of ``heads`` heads on one rank: 'online'
+    its fp32 output and log-sum-exp; 'standard' its ``s/N x S`` probability rows (fp32, and a
+    compute-dtype copy under amp) and the causal mask."""
+    s = spec.seq_len
+    if sc.ring == "online":
+        return [("ring attention output (fp32)", t * spec.hidden * 4), ("lse", t * heads * 4)]
+    probs = t * heads * s
+    items = [("ring attention probabilities", probs * 4), ("causal mask", t / g.size * s)]
+    if nb["e"] != 4:
+        items.append(("probabilities (compute dtype)", probs * nb["e"]))
+    return items

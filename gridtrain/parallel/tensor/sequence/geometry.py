@@ -38,11 +38,17 @@ class SequenceGeometry(ModeGeometry):
             ],
         }
 
+    def sequence_split(self, size: int, depth: int) -> tuple[int, str]:
+        return size, f"SEQUENCE ({size} ranks)"
+
+    def data_parallel_span(self, size: int) -> int:
+        return size  # SEQUENCE_DP: data x sequence
+
     def fits(self, size: int, heads: int, seq_len: int) -> tuple[int, ...]:
         return (1,) if seq_len % size == 0 else ()
 
-    def seq_parts(self, g: Any) -> int:
-        return g.size
+    def attention_items(self, g: Any, sc: Any, spec: Any, t: float, heads: float, nb: dict):
+        return costs.attention_items(g, sc, spec, t, heads, nb) if g.size > 1 else None
 
     def attention_collectives(self, c: Any) -> None:
         costs.attention(c)
