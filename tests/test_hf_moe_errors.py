@@ -51,6 +51,13 @@ CASES = {
         dict(parallel=dict(pipeline=2), num_microbatches=2),
         ["MixtralForCausalLM", "output_router_logits", "pipeline"],
     ),
+    "a router style gridtrain does not implement": (
+        "mixtral",
+        {"router_style": "local_router"},
+        2,
+        dict(moe=dict(expert_parallel_size=2)),
+        ["'model.layers.*.mlp.gate'", "'local_router'", "ep_router"],
+    ),
     "experts do not divide": (
         "qwen3_moe",
         {},

@@ -86,7 +86,22 @@ def _collectives(group, rank: int, world: int, dtype) -> dict[str, object]:
     pair = [x.clone(), x.clone() * 2]
     dist.all_reduce_coalesced(pair, group=group)
     out["all_reduce_coalesced"] = pair
+    out.update(_coalesced(group, world, x))
     return out
+
+
+def _coalesced(group, world: int, x: torch.Tensor) -> dict[str, object]:
+    """Compiled code's coalesced gathers and reduce-scatters (torch's coalescing manager
+    calls the group's ``*_coalesced`` methods, which gloo names differently per release)."""
+    gathered = [torch.empty(x.numel() * world, dtype=x.dtype) for _ in range(2)]
+    with dist._coalescing_manager(group):
+        for out, scale in zip(gathered, (1, 2)):
+            dist.all_gather_into_tensor(out, x * scale, group=group)
+    scattered = [torch.empty(x.numel() // world, dtype=x.dtype) for _ in range(2)]
+    with dist._coalescing_manager(group):
+        for out, scale in zip(scattered, (1, 3)):
+            dist.reduce_scatter_tensor(out, x * scale, group=group)
+    return {"all_gather_into_tensor coalesced": gathered, "reduce_scatter coalesced": scattered}
 
 
 def _point_to_point(group, rank: int, x: torch.Tensor) -> dict[str, object]:

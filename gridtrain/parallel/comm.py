@@ -52,6 +52,13 @@ def rank_in(group: Group) -> int:
     return dist.get_rank(group)
 
 
+@torch.compiler.disable
+def global_ranks(group: Group) -> list[int]:
+    """The group's members' global ranks. Outside compiled graphs: torch 2.11's dynamo
+    cannot trace the lookup on a process group written in Python (backend "staged")."""
+    return dist.get_process_group_ranks(group)
+
+
 # ---- raw (non-differentiable) collectives along a tensor dim ------------------------------
 def _all_reduce(x: Tensor, group: Group, op=dist.ReduceOp.SUM) -> Tensor:
     n = world(group)
@@ -282,7 +289,7 @@ def _ring_shift(x: Tensor, group: Group, step: int) -> Tensor:
     n = world(group)
     if n == 1:
         return x
-    ranks = dist.get_process_group_ranks(group)
+    ranks = global_ranks(group)
     me = ranks.index(dist.get_rank())
     x = x.contiguous()
     out = torch.empty_like(x)

@@ -85,6 +85,46 @@ class StagedWork(dist.Work):
         return self._work._source_rank()
 
 
+class _Works(dist.Work):
+    """Several gloo works as one (a coalesced collective run one tensor at a time)."""
+
+    def __init__(self, works: list[dist.Work]):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
+
+    def exception(self) -> Any:
+        return next((w.exception() for w in self._works if not w.is_success()), None)
+
+
+def _one_by_one(gloo: dist.ProcessGroup, base: str) -> Callable:
+    """A coalesced collective as gloo's ``base`` on each (output, input) pair: gloo's own
+    coalesced methods are named differently across torch releases (2.11 has none under
+    ``all_gather_single_coalesced``), and gloo gains nothing by coalescing."""
+
+    def run(outputs: list[Tensor], inputs: list[Tensor], opts: Any) -> dist.Work:
+        op = getattr(gloo, base)
+        return _Works([op(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)])
+
+    return run
+
+
+_ONE_BY_ONE = {
+    "all_gather_single_coalesced": "_allgather_base",
+    "reduce_scatter_single_coalesced": "_reduce_scatter_base",
+}
+
+
 def _staged(op: str, roles: tuple[str, ...]) -> Callable:
     """The process group's ``op``: gloo's ``op`` on host copies of its tensor arguments.
     ``roles`` says, per tensor argument, whether it is read ("in"), written ("out") or
@@ -94,7 +134,9 @@ def _staged(op: str, roles: tuple[str, ...]) -> Callable:
         staged, copies = list(args), []
         for i, role in enumerate(roles):
             staged[i] = self._stage(args[i], role != "out", copies if role != "in" else None)
-        return StagedWork(getattr(self._gloo, op)(*staged), copies, args[0])
+        base = _ONE_BY_ONE.get(op)
+        gloo_op = _one_by_one(self._gloo, base) if base else getattr(self._gloo, op)
+        return StagedWork(gloo_op(*staged), copies, args[0])
 
     run.__name__ = op
     run.__doc__ = f"gloo's ``{op}`` on host copies of the CUDA tensors ({', '.join(roles)})."

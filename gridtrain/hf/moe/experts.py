@@ -46,6 +46,11 @@ from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
 
 EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
+# Some transformers releases (5.17) also name the router "ep_router": there it limits the
+# router's choices to one rank's experts. Here the router stays whole on every rank and the
+# experts module sends each token to the rank holding its expert, which is the plain model's
+# routing, so that style asks for nothing more.
+EP_ROUTER = "ep_router"
 # the experts' forward arguments (hidden states [T, d], each token's k experts [T, k] and
 # their weights [T, k]) under the names the families give them
 FORWARD_ARGS = (
@@ -79,10 +84,11 @@ def expert_modules(model: nn.Module) -> dict[str, list[str]]:
     are refused by name."""
     plan = dict(getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None) or {})
     for pattern, style in plan.items():
-        if style not in (EP_MODULE, EP_TENSOR):
+        if style not in (EP_MODULE, EP_TENSOR, EP_ROUTER):
             raise PlanError(
                 f"{type(model).__name__}'s expert-parallel plan gives '{pattern}' the style "
-                f"{style!r}, which gridtrain does not implement ({EP_MODULE}, {EP_TENSOR})"
+                f"{style!r}, which gridtrain does not implement "
+                f"({EP_MODULE}, {EP_TENSOR}, {EP_ROUTER})"
             )
     spread = [p for p, s in plan.items() if s == EP_MODULE]
     tensors = [p for p, s in plan.items() if s == EP_TENSOR]
