@@ -1,10 +1,10 @@
 """``parallel.tensor``: how each model replica's layers are split, and the plan styles a
 config may name.
 
-The styles are defined here, at the config level, so the schema validates a plan without
-importing the planner that applies them (``gridtrain.parallel.tensor.plan`` reads
-``STYLES``). The mode names and each mode's size rules are the modes' own: their torch-free
-geometry, registered in ``gridtrain.parallel.tensor.modes``, which the section reads.
+The styles are the planner's own objects (``gridtrain.parallel.tensor.style``, torch-free),
+read here by name, so the schema validates a plan without importing the planner. The mode
+names and each mode's size rules are the modes' own: their torch-free geometry, registered in
+``gridtrain.parallel.tensor.modes``, which the section reads.
 """
 
 from __future__ import annotations
@@ -17,36 +17,15 @@ from pydantic_core import PydanticCustomError
 from gridtrain.config.errors import quote, unknown
 from gridtrain.config.limits import Count
 from gridtrain.config.section import Section
+from gridtrain.parallel.tensor import style
 from gridtrain.parallel.tensor.geometry import ModeGeometry
 from gridtrain.parallel.tensor.modes import geometry_of, mode_names, names_where
 
 TENSOR_MODES = mode_names()  # the built-in modes; ``modes.register_mode`` adds others
 
-# the layer styles a tensor-parallel plan may name (the Hugging Face ``tp_plan`` vocabulary,
-# plus gridtrain's own), each with what it does
-STYLES = {
-    "colwise": "Linear: output features split (output stays sharded); on an Embedding: the "
-    "embedding dim split",
-    "rowwise": "Linear: input features split, partial products all-reduced (replicated output)",
-    "colwise_gather_output": "Linear: output features split, then all-gathered (replicated output)",
-    "rowwise_split_input": "Linear: row-parallel on a replicated input (each rank cuts its slice)",
-    "packed_colwise": "Linear/Conv1D whose output packs several equal blocks (fused q/k/v, "
-    "gate/up): each block split column-wise, so every rank keeps whole heads of each",
-    "embedding_rowwise": "Embedding: vocabulary split, partial rows all-reduced",
-    "embedding_colwise": "Embedding: embedding dim split, output all-gathered",
-    "vocab_parallel": "output Linear (LM head, classifier): logits stay sharded over the "
-    "classes; pair with gt.nn.CrossEntropyLoss",
-    "gather_output": "output Linear (LM head, classifier): full logits on every rank "
-    "(2d/2.5d/3d: the mode's Classifier)",
-    "heads": "nn.MultiheadAttention: the packed in_proj cut into each rank's q, k and v heads, "
-    "out_proj row-parallel (sequence: ring attention over the split positions)",
-    "norm": "LayerNorm / RMSNorm over the last dim, in the mode's layout",
-    "replicated_with_grad_allreduce": "a norm on activations split over the tensor group (a "
-    "per-head q_norm after a column-parallel q_proj): its weight whole on every rank, its "
-    "gradient summed over the group",
-    "auto": "the mode's own layer (2d/2.5d/3d: every Linear is a SUMMA / cube Linear)",
-    "replicate": "leave the module as it is (every rank holds it whole)",
-}
+# the styles a plan may name, name -> what each does: read live from their one definition
+# (``gridtrain.parallel.tensor.style``), so a registered style is accepted too
+STYLES = style.STYLES
 
 
 class TensorConfig(Section):
@@ -87,12 +66,12 @@ class TensorConfig(Section):
     @field_validator("plan")
     @classmethod
     def _known_styles(cls, plan: dict[str, str] | None) -> dict[str, str] | None:
-        for pattern, style in (plan or {}).items():
+        for pattern, name in (plan or {}).items():
             if not pattern:
                 raise ValueError("a plan pattern must not be empty")
-            if style not in STYLES:
+            if name not in STYLES:
                 what = f"plan pattern {quote(pattern)} names unknown style"
-                raise ValueError(unknown(what, style, STYLES))
+                raise ValueError(unknown(what, name, STYLES))
         return plan
 
     @model_validator(mode="after")

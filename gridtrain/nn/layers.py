@@ -5,16 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gridtrain.parallel.context import ParallelContext, has_context
-from gridtrain.parallel.tensor import none
-from gridtrain.parallel.tensor.plan import KIND_STYLES, LINEAR
+from gridtrain.parallel.tensor import none, style
 from gridtrain.parallel.tensor.registry import spec_of
-
-_SPLITS = {
-    ("column", False): "colwise",
-    ("column", True): "colwise_gather_output",
-    ("row", True): "rowwise",
-    ("row", False): "rowwise_split_input",
-}
 
 
 class Linear(nn.Linear):
@@ -36,18 +28,19 @@ class Linear(nn.Linear):
         packed: int | None = None,
     ):
         super().__init__(in_features, out_features, bias, device, dtype)
-        style = _linear_style(split, gather_output, parallel_input, packed)
-        if style is not None:
-            self.gt_style = style
+        hint = _linear_style(split, gather_output, parallel_input, packed)
+        if hint is not None:
+            self.gt_style = hint
         if packed:
             self.gt_packed = packed
 
 
 def _linear_style(split, gather_output, parallel_input, packed) -> str | None:
     if packed:
-        if split not in (None, "column", "packed_colwise") or gather_output:
+        packed_style = style.PACKED_COLWISE.name
+        if split not in (None, "column", packed_style) or gather_output:
             raise ValueError("gt.nn.Linear: packed=k is a column split (no gather_output)")
-        return "packed_colwise"
+        return packed_style
     if split is None:
         if gather_output is not None and parallel_input is not None:
             raise ValueError(
@@ -66,11 +59,12 @@ def _linear_style(split, gather_output, parallel_input, packed) -> str | None:
         if split == "row" and gather_output is not None:
             raise ValueError("gt.nn.Linear: gather_output applies to split='column' only")
         flag = bool(gather_output) if split == "column" else parallel_input is not False
-        return _SPLITS[(split, flag)]
-    if split not in KIND_STYLES[LINEAR]:
+        return style.from_hint(split, flag)
+    allowed = style.styles_for(style.LINEAR)
+    if split not in allowed:
         raise ValueError(
             f"gt.nn.Linear: split must be 'column', 'row' or a Linear style "
-            f"({', '.join(KIND_STYLES[LINEAR])}), got {split!r}"
+            f"({', '.join(allowed)}), got {split!r}"
         )
     return split
 
@@ -78,13 +72,13 @@ def _linear_style(split, gather_output, parallel_input, packed) -> str | None:
 class Embedding(nn.Embedding):
     """``nn.Embedding``; under 1d its embedding dim is split (``embedding_colwise``)."""
 
-    gt_style = "embedding_colwise"
+    gt_style = style.EMBEDDING_COLWISE.name
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """``nn.Embedding`` whose vocabulary is split (``embedding_rowwise``)."""
 
-    gt_style = "embedding_rowwise"
+    gt_style = style.EMBEDDING_ROWWISE.name
 
 
 class LayerNorm(nn.LayerNorm):
@@ -102,14 +96,14 @@ class Dropout(nn.Dropout):
 class Classifier(none.Classifier):
     """A head whose logits every rank sees whole (``gather_output``); ``weight=`` ties it."""
 
-    gt_style = "gather_output"
+    gt_style = style.GATHER_OUTPUT.name
 
 
 class VocabParallelClassifier(none.Classifier):
     """A head whose logits stay split over the classes (``vocab_parallel``); pair with
     ``gt.nn.CrossEntropyLoss``, which never gathers them."""
 
-    gt_style = "vocab_parallel"
+    gt_style = style.VOCAB_PARALLEL.name
 
 
 class PatchEmbedding(none.PatchEmbedding):

@@ -17,35 +17,46 @@ from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.coverage import better_layout
 from gridtrain.parallel.tensor.dropout import dropout_factory
 from gridtrain.parallel.tensor.flow_rules import check_columns, column_style
-from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.grad_summed import GradSummed
 from gridtrain.parallel.tensor.modes import names_where
 from gridtrain.parallel.tensor.norm import weightless_norm
-from gridtrain.parallel.tensor.plan import (
+from gridtrain.parallel.tensor.plan import Plan, PlanError
+from gridtrain.parallel.tensor.spec import LayerTable, TensorMode
+from gridtrain.parallel.tensor.style import (
     ATTENTION,
+    AUTO,
+    COLWISE,
+    COLWISE_GATHER_OUTPUT,
     DROPOUT,
     EMBEDDING,
+    EMBEDDING_COLWISE,
+    EMBEDDING_ROWWISE,
+    GATHER_OUTPUT,
+    GRAD_SUMMED,
+    HEADS,
     LINEAR,
     NORM,
+    NORM_STYLE,
     OPAQUE,
+    PACKED_COLWISE,
     PATCH,
-    Plan,
-    PlanError,
+    REPLICATE,
+    ROWWISE,
+    ROWWISE_SPLIT_INPUT,
+    VOCAB_PARALLEL,
+    WHOLE,
+    of,
 )
-from gridtrain.parallel.tensor.spec import LayerTable, TensorMode
 from gridtrain.parallel.tensor.trace import Flow
 
-# given styles a blocked Linear keeps (any other given style becomes the mode's Linear)
-KEPT_GIVEN = ("gather_output", "colwise_gather_output", "vocab_parallel", "packed_colwise")
-GATHERED = ("gather_output", "colwise_gather_output")  # heads whose logits come out whole
-TIE_ALTERNATIVES = ("gather_output", "vocab_parallel")
-_INNER = ("auto", "colwise", "rowwise", "packed_colwise", "rowwise_split_input")  # -> Linear
+TIE_ALTERNATIVES = (GATHER_OUTPUT, VOCAB_PARALLEL)
+_INNER = (AUTO, COLWISE, ROWWISE, PACKED_COLWISE, ROWWISE_SPLIT_INPUT)  # -> the mode's Linear
 _DEFAULTS = {
-    EMBEDDING: "embedding_colwise",
-    NORM: "norm",
-    PATCH: "colwise",
-    DROPOUT: "replicate",
-    ATTENTION: "heads",
+    EMBEDDING: EMBEDDING_COLWISE.name,
+    NORM: NORM_STYLE.name,
+    PATCH: COLWISE.name,
+    DROPOUT: REPLICATE.name,
+    ATTENTION: HEADS.name,
 }
 
 
@@ -58,17 +69,17 @@ def layer_table(*modules: ModuleType) -> LayerTable:
         return next(getattr(m, name) for m in modules if hasattr(m, name))
 
     table: LayerTable = {(LINEAR, s): (cls("Linear"), {}) for s in _INNER}
-    table[(LINEAR, "gather_output")] = (cls("Classifier"), {})
-    table[(LINEAR, "colwise_gather_output")] = (cls("Classifier"), {})
-    table[(LINEAR, "vocab_parallel")] = (cls("VocabParallelClassifier"), {})
-    table[(EMBEDDING, "embedding_rowwise")] = (cls("VocabParallelEmbedding"), {})
-    table[(EMBEDDING, "embedding_colwise")] = (cls("Embedding"), {})
-    table[(EMBEDDING, "colwise")] = (cls("Embedding"), {})
-    table[(NORM, "norm")] = (cls("Norm"), {})
+    table[(LINEAR, GATHER_OUTPUT)] = (cls("Classifier"), {})
+    table[(LINEAR, COLWISE_GATHER_OUTPUT)] = (cls("Classifier"), {})
+    table[(LINEAR, VOCAB_PARALLEL)] = (cls("VocabParallelClassifier"), {})
+    table[(EMBEDDING, EMBEDDING_ROWWISE)] = (cls("VocabParallelEmbedding"), {})
+    table[(EMBEDDING, EMBEDDING_COLWISE)] = (cls("Embedding"), {})
+    table[(EMBEDDING, COLWISE)] = (cls("Embedding"), {})
+    table[(NORM, NORM_STYLE)] = (cls("Norm"), {})
     table[(NORM, GRAD_SUMMED)] = (GradSummed, {})  # a per-head norm: its input's last dim whole
-    table[(PATCH, "colwise")] = (cls("PatchEmbedding"), {})
-    table[(DROPOUT, "replicate")] = (dropout_factory(ParallelMode.TENSOR), {})
-    table[(ATTENTION, "heads")] = (cls("MultiheadAttention"), {})
+    table[(PATCH, COLWISE)] = (cls("PatchEmbedding"), {})
+    table[(DROPOUT, REPLICATE)] = (dropout_factory(ParallelMode.TENSOR), {})
+    table[(ATTENTION, HEADS)] = (cls("MultiheadAttention"), {})
     return table
 
 
@@ -89,17 +100,17 @@ def infer_styles(kinds, given, flow: Flow | None, modules=None, n: int = 0):
         elif name in given and (kind != LINEAR or _kept(name, given[name], heads, flow, modules)):
             styles[name], origin[name] = given[name]
         elif kind == LINEAR:
-            styles[name] = "gather_output" if name in heads else "auto"
+            styles[name] = (GATHER_OUTPUT if name in heads else AUTO).name
             origin[name] = "traced: a model output" if name in heads else "every Linear"
             if name in given:
                 origin[name] = f"{given[name][1]} {given[name][0]}, no model output: the grid's"
             if name not in heads:
-                styles[name] = column_style(name, flow, modules, "auto") or "auto"
+                styles[name] = column_style(name, flow, modules, AUTO.name) or AUTO.name
         elif kind == OPAQUE:
             raise PlanError(f"'{name}' ({kind}) cannot run on 2d/2.5d/3d blocked activations")
         else:
             styles[name], origin[name] = _DEFAULTS[kind], "default"
-    check_columns(styles, kinds, flow, modules, _INNER)
+    check_columns(styles, kinds, flow, modules, tuple(s.name for s in _INNER))
     return styles, origin
 
 
@@ -107,10 +118,10 @@ def _kept(name: str, given: tuple[str, str], heads, flow: Flow | None, modules) 
     """Whether a given Linear style stays (see ``infer_styles``): a model plan's gathered
     Linear that is no model output stays gathered only where no column split fits how the
     model cuts its output (Phi-3's grouped-query ``qkv_proj``)."""
-    style, origin = given
-    if style in GATHERED and origin == "model plan" and name not in heads:
-        return column_style(name, flow, modules, "auto") is None
-    return style in KEPT_GIVEN
+    style, origin = of(given[0]), given[1]
+    if style.logits == WHOLE and origin == "model plan" and name not in heads:
+        return column_style(name, flow, modules, AUTO.name) is None
+    return style.logits is not None or style.packed  # a head, or packed blocks
 
 
 def needs_flow(kinds: dict, given: dict) -> bool:
@@ -120,14 +131,14 @@ def needs_flow(kinds: dict, given: dict) -> bool:
 
 def splits_output(kind: str, style: str) -> bool:
     """Every output keeps its hidden dim blocked, except gathered logits."""
-    return not (kind == LINEAR and style in GATHERED)
+    return not (kind == LINEAR and of(style).logits == WHOLE)
 
 
 def splits_input(kind: str, style: str) -> bool | None:
     """A norm reads blocked activations (a per-head norm its last dim whole); a Linear takes
     them blocked or whole (it cuts a whole input itself: None)."""
     if kind == NORM:
-        return style != GRAD_SUMMED
+        return style != GRAD_SUMMED.name
     return None if kind == LINEAR else False
 
 

@@ -22,10 +22,10 @@ from torch import nn
 
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.cuts import Cut, packing
-from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.modes import names_where
 from gridtrain.parallel.tensor.norm import norm_kind
-from gridtrain.parallel.tensor.plan import LINEAR, NORM, PlanError
+from gridtrain.parallel.tensor.plan import PlanError
+from gridtrain.parallel.tensor.style import GRAD_SUMMED, LINEAR, NORM, PACKED_COLWISE, of
 from gridtrain.parallel.tensor.trace import Flow
 
 
@@ -42,7 +42,7 @@ def head_norms(kinds, given, flow: Flow | None, modules) -> dict[str, tuple[str,
         width = norm_kind(modules[name]).hidden
         outs = {linear_dims(modules[s])[1] for s in srcs}
         if all(o > width and o % width == 0 for o in outs):
-            out[name] = (GRAD_SUMMED, f"traced: normalises each {width}-wide head")
+            out[name] = (GRAD_SUMMED.name, f"traced: normalises each {width}-wide head")
     return out
 
 
@@ -54,7 +54,7 @@ def column_style(name: str, flow: Flow | None, modules, plain: str) -> str | Non
     k = packing(cut, linear_dims(modules[name])[1])
     if k is None or (k == 1 and _unseen_fusion(name, flow, cut)):
         return None
-    return plain if k == 1 else "packed_colwise"
+    return plain if k == 1 else PACKED_COLWISE.name
 
 
 def packed_blocks(name: str, flow: Flow | None, modules) -> int | None:
@@ -74,7 +74,7 @@ def check_columns(styles, kinds, flow: Flow | None, modules, column: tuple[str, 
             continue
         cut = flow.cuts.get(name)
         k = packing(cut, linear_dims(modules[name])[1])
-        packed = style == "packed_colwise"
+        packed = of(style).packed
         if k is None or (k > 1 and not packed) or (packed and cut is not None and cut.inner):
             raise PlanError(_cut_error(name, style, cut, k))
         if k == 1 and not packed and _unseen_fusion(name, flow, cut):

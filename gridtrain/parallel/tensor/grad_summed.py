@@ -17,8 +17,9 @@ from torch import nn
 from gridtrain.parallel import comm
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.base import ShardedModule
+from gridtrain.parallel.tensor.style import GRAD_SUMMED
 
-STYLE = "replicated_with_grad_allreduce"
+STYLE = GRAD_SUMMED.name
 
 
 class GradSummed(ShardedModule):

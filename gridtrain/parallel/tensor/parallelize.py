@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gridtrain.config import STYLES
 from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tags import get_shard_spec
@@ -31,11 +30,9 @@ from gridtrain.parallel.tensor.flow_rules import (
     loose_modules,
     packed_blocks,
 )
-from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
 from gridtrain.parallel.tensor.local_shapes import check_local_shapes
 from gridtrain.parallel.tensor.norm import norm_offset
 from gridtrain.parallel.tensor.plan import (
-    KIND_STYLES,
     LINEAR,
     NORM,
     TRACE_HOW,
@@ -49,6 +46,7 @@ from gridtrain.parallel.tensor.plan import (
 )
 from gridtrain.parallel.tensor.registry import mode_spec
 from gridtrain.parallel.tensor.spec import TensorMode
+from gridtrain.parallel.tensor.style import GRAD_SUMMED, SPLIT, STYLES, of, styles_for
 from gridtrain.parallel.tensor.trace import Flow, trace_flow
 
 logger = logging.getLogger("gridtrain")
@@ -99,7 +97,7 @@ def build_plan(
     _resolve_ties(plan, modules, ctx, spec)
     if flow is not None:
         plan.heads = {
-            m: (linear_dims(modules[m])[1], plan[m].style == "vocab_parallel")
+            m: (linear_dims(modules[m])[1], of(plan[m].style).logits == SPLIT)
             for m in flow.order
             if kinds.get(m) == LINEAR and m in flow.output_sources
         }
@@ -175,9 +173,9 @@ def _add_entries(plan: Plan, spec: TensorMode, kinds, styles, origin, flow, modu
     for name, kind in kinds.items():
         options: dict[str, Any] = {}
         style = styles[name]
-        if style == "packed_colwise":
+        if of(style).packed:
             options["packed"] = _packed_blocks(name, modules[name], flow)
-        if kind == NORM and style != GRAD_SUMMED and spec.layer_for(name, kind, style, {})[0]:
+        if kind == NORM and style != GRAD_SUMMED.name and spec.layer_for(name, kind, style, {})[0]:
             options.update(_norm_options(name, modules[name]))
         options.update(extra.get(name, {}))
         plan.entries[name] = PlanEntry(name, kind, style, origin[name], options)
@@ -198,7 +196,7 @@ def find_heads(model: nn.Module, example: Any) -> dict[str, tuple[int, bool]]:
 
 def _check_kinds(given: dict[str, tuple[str, str]], kinds: dict[str, str]) -> None:
     for name, (style, origin) in given.items():
-        allowed = KIND_STYLES[kinds[name]]
+        allowed = styles_for(kinds[name])
         if style not in allowed:
             raise PlanError(
                 f"{origin}: '{name}' is a {kinds[name]} layer; style '{style}' does not apply "
@@ -270,7 +268,7 @@ def _resolve_ties(plan: Plan, modules, ctx: ParallelContext, spec: TensorMode) -
             if entry.origin in ("config", "hint") or entry.kind != LINEAR:
                 raise PlanError(_tie_error(plan, first, first_p, name, pname, want))
             for style in spec.tie_alternatives:
-                entry.style, entry.origin = style, f"tied to {first}.{first_p}"
+                entry.style, entry.origin = style.name, f"tied to {first}.{first_p}"
                 _dry_run(Plan(plan.mode, plan.size, {name: entry}), modules, ctx, spec)
                 if entry.specs.get(pname, ()) == want:
                     break

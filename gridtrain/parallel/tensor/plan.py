@@ -1,9 +1,9 @@
-"""The tensor-parallel plan's data model: layer kinds, styles, the plan and its printing.
+"""The tensor-parallel plan's data model: layer kinds, the plan and its printing.
 
-A plan maps module paths to styles (``gridtrain.config.STYLES``). It comes from, in order
-of precedence, the config (``parallel.tensor.plan``: patterns such as
-``"blocks.*.attn.qkv"``, ``*`` standing for one name part, as in Hugging
-Face's ``tp_plan``), hints on ``gt.nn`` layers (``gt.nn.Linear(split="row")``),
+A plan maps module paths to style names (each style defined once, in ``style.py``). It comes
+from, in order of precedence, the config (``parallel.tensor.plan``: patterns such as
+``"blocks.*.attn.qkv"``, ``*`` standing for one name part, as in Hugging Face's
+``tp_plan``), hints on ``gt.nn`` layers (``gt.nn.Linear(split="row")``),
 the model's own plan (Hugging Face's ``_tp_plan``), and for every layer left
 the model's data flow, traced once on the meta device (``trace.py``) and read by
 the tensor mode's spec (``spec.py``; 1d: ``mode_1d/styles.py``, 2d/2.5d/3d:
@@ -21,45 +21,22 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from gridtrain.config import STYLES
 from gridtrain.parallel.tags import get_shard_spec
 from gridtrain.parallel.tensor.base import is_conv1d
 from gridtrain.parallel.tensor.norm import norm_kind
 from gridtrain.parallel.tensor.probe import computes_linear
+from gridtrain.parallel.tensor.style import (  # the kinds, re-exported for the planner's users
+    ATTENTION,
+    DROPOUT,
+    EMBEDDING,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    PATCH,
+    STYLES,
+)
 from gridtrain.parallel.tensor.trace import FRESH, PASS, SELF
 from gridtrain.parallel.tensor.trace import OPAQUE as OPAQUE_HOW
-
-LINEAR, EMBEDDING, NORM, DROPOUT, PATCH, OPAQUE, ATTENTION = (
-    "linear",
-    "embedding",
-    "norm",
-    "dropout",
-    "patch",
-    "opaque",
-    "attention",  # nn.MultiheadAttention: its packed in_proj and out_proj as one layer
-)
-COL_SHARDED = ("colwise", "packed_colwise")  # output left sharded for a row-parallel reader
-ROW = ("rowwise",)
-HEAD_STYLES = ("gather_output", "colwise_gather_output", "vocab_parallel")
-KIND_STYLES = {
-    LINEAR: (
-        "colwise",
-        "rowwise",
-        "colwise_gather_output",
-        "rowwise_split_input",
-        "packed_colwise",
-        "vocab_parallel",
-        "gather_output",
-        "auto",
-        "replicate",
-    ),
-    EMBEDDING: ("embedding_rowwise", "embedding_colwise", "colwise", "replicate"),
-    NORM: ("norm", "replicated_with_grad_allreduce", "replicate"),
-    DROPOUT: ("replicate",),
-    PATCH: ("colwise", "replicate"),
-    OPAQUE: ("replicate",),
-    ATTENTION: ("heads", "replicate"),
-}
 
 
 class PlanError(ValueError):

@@ -16,12 +16,14 @@ from typing import Any
 
 from torch import nn
 
+from gridtrain.parallel.tensor import style
 from gridtrain.parallel.tensor.geometry import ModeGeometry
 from gridtrain.parallel.tensor.plan import DROPOUT, Plan, PlanError
 from gridtrain.parallel.tensor.trace import Flow
 
 Factory = Callable[..., Any]  # factory(dense_module, ctx, **options) -> the sharded layer
-LayerTable = dict[tuple[str, str], tuple[Factory, dict[str, Any]]]  # (kind, style) -> factory
+# (kind, style) -> the factory that implements the style on that kind, and its fixed options
+LayerTable = dict[tuple[str, style.Style], tuple[Factory, dict[str, Any]]]
 Styles = tuple[dict[str, str], dict[str, str]]  # module -> style, module -> where it came from
 
 
@@ -51,7 +53,7 @@ class TensorMode:
     needs_flow: Callable[[dict, dict], bool] | None = None
     entry_options: Callable[[dict, dict, Flow | None], dict[str, dict]] | None = None
     check: Callable[[Plan, nn.Module], None] | None = None
-    tie_alternatives: tuple[str, ...] = ()  # styles a tied Linear may take to match its twin
+    tie_alternatives: tuple[style.Style, ...] = ()  # a tied Linear's styles to match its twin
     splits_output: Callable[[str, str], bool] | None = None
     # (kind, style) -> whether the replaced layer takes its input's last dim split (None: split
     # or whole); the field None: not checked
@@ -71,18 +73,19 @@ class TensorMode:
         return self.geometry.head_split
 
     def layer_for(
-        self, name: str, kind: str, style: str, options: dict[str, Any]
+        self, name: str, kind: str, style_name: str, options: dict[str, Any]
     ) -> tuple[Factory | None, dict[str, Any]]:
-        """(factory, options) for ``name``, a ``kind`` layer planned ``style``; (None, {})
-        where the dense module is kept as it is."""
-        kept = kind in self.kept and (kind, style) not in self.layers
-        if kept or (style == "replicate" and kind != DROPOUT):
+        """(factory, options) for ``name``, a ``kind`` layer planned ``style_name``: what the
+        style makes of it under this mode (``Style.layer``); (None, {}) where the dense module
+        is kept as it is."""
+        planned = style.of(style_name)
+        entry = planned.layer(kind, self)
+        if (kind in self.kept and entry is None) or (planned.keeps and kind != DROPOUT):
             return None, {}
-        entry = self.layers.get((kind, style))
         if entry is None:
             raise PlanError(
-                f"'{name}': style '{style}' does not apply to a {kind} layer under tensor mode "
-                f"{self.name!r}"
+                f"'{name}': style '{style_name}' does not apply to a {kind} layer under tensor "
+                f"mode {self.name!r}"
             )
         factory, fixed = entry
         return factory, {**fixed, **options}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gridtrain.parallel.mode import ParallelMode as PM
+from gridtrain.parallel.tensor.style import ROWWISE_SPLIT_INPUT, WHOLE, of
 
 
 def layer(c: Any, name: str, e: Any) -> None:
@@ -14,15 +15,12 @@ def layer(c: Any, name: str, e: Any) -> None:
     if e.layer == "ColumnLinear":
         k, n = c.dims(e)
         c.ar(g, m * k, c.input_dtype(name), f"{name}: input gradient (backward)")
-        if e.options.get("gather_output") or e.style in (
-            "gather_output",
-            "colwise_gather_output",
-        ):
+        if e.options.get("gather_output") or of(e.style).logits == WHOLE:
             c.ag(g, m * n / c.geo.size, "e", f"{name}: output gather")
     elif e.layer == "RowLinear":
         k, n = c.dims(e)
         c.ar(g, m * n, "e", f"{name}: output (forward)", fwd=1.0)
-        if e.style == "rowwise_split_input":
+        if e.style == ROWWISE_SPLIT_INPUT.name:
             c.ag(g, m * k / c.geo.size, "e", f"{name}: input gradient gather", fwd=0.0)
     elif e.layer == "VocabParallelEmbedding1D":
         c.ar(g, m * c.dims(e)[1], "w", f"{name}: partial rows (forward)", fwd=1.0)

@@ -17,17 +17,24 @@ from torch import nn
 
 from gridtrain.parallel.tensor.base import linear_dims
 from gridtrain.parallel.tensor.flow_rules import check_columns, column_style
-from gridtrain.parallel.tensor.grad_summed import STYLE as GRAD_SUMMED
-from gridtrain.parallel.tensor.plan import (
+from gridtrain.parallel.tensor.plan import PlanError
+from gridtrain.parallel.tensor.style import (
     ATTENTION,
-    COL_SHARDED,
+    COLWISE,
+    COLWISE_GATHER_OUTPUT,
     DROPOUT,
     EMBEDDING,
+    EMBEDDING_COLWISE,
+    EMBEDDING_ROWWISE,
+    GRAD_SUMMED,
+    HEADS,
     LINEAR,
     NORM,
     PATCH,
-    ROW,
-    PlanError,
+    REPLICATE,
+    ROWWISE,
+    of,
+    styles_where,
 )
 from gridtrain.parallel.tensor.trace import Flow
 
@@ -50,18 +57,18 @@ def styles_1d(
     if flow is not None:
         _whole_inputs_replicate(styles, origin, kinds, flow)
         check_flow(styles, kinds, flow)
-        check_columns(styles, kinds, flow, modules, COL_SHARDED)
+        check_columns(styles, kinds, flow, modules, styles_where(lambda s: s.column))
     return styles, origin
 
 
 def _whole_inputs_replicate(styles, origin, kinds, flow: Flow) -> None:
     """A ``replicated_with_grad_allreduce`` norm whose input is whole stays ``replicate``."""
     for name, kind in kinds.items():
-        if kind != NORM or styles[name] != GRAD_SUMMED:
+        if kind != NORM or styles[name] != GRAD_SUMMED.name:
             continue
         srcs = flow.sources.get(name, ())
-        if not any(styles.get(s) in COL_SHARDED for s in srcs):
-            styles[name], origin[name] = "replicate", f"{origin[name]}; input whole under 1d"
+        if not any(of(styles.get(s)).column for s in srcs):
+            styles[name], origin[name] = REPLICATE.name, f"{origin[name]}; input whole under 1d"
 
 
 def needs_flow(kinds: dict[str, str], given: dict) -> bool:
@@ -75,7 +82,7 @@ def dropout_options(kinds, styles, flow: Flow | None) -> dict[str, dict]:
     for name, kind in kinds.items():
         if kind == DROPOUT:
             srcs = flow.sources.get(name, ()) if flow else ()
-            out[name] = {"sharded": any(styles.get(s) in COL_SHARDED for s in srcs)}
+            out[name] = {"sharded": any(of(styles.get(s)).column for s in srcs)}
     return out
 
 
@@ -93,7 +100,7 @@ def split_sinks(kinds: dict[str, str], flow: Flow | None, styles: dict | None = 
 
 def _split_reader(name: str, kinds: dict[str, str], styles: dict[str, str]) -> bool:
     kind = kinds.get(name, LINEAR)
-    return kind in _SPLIT_READERS or (kind == NORM and styles.get(name) == GRAD_SUMMED)
+    return kind in _SPLIT_READERS or (kind == NORM and styles.get(name) == GRAD_SUMMED.name)
 
 
 class _Inference:
@@ -121,7 +128,7 @@ class _Inference:
         return self.out
 
     def _sharded(self, name: str) -> bool:
-        return self.out.get(name, ("", ""))[0] in COL_SHARDED
+        return of(self.out.get(name, ("", ""))[0]).column
 
     def _linear_sources(self, name: str) -> set[str]:
         srcs = self.flow.sources.get(name, ()) if self.flow else ()
@@ -138,9 +145,9 @@ class _Inference:
                     f"1d: '{name}' reads column-parallel outputs mixed with replicated ones "
                     f"(from {mixed}); give its style in parallel.tensor.plan"
                 )
-            return "rowwise", "traced: reads column-parallel outputs"
+            return ROWWISE.name, "traced: reads column-parallel outputs"
         if self._can_pair(name):
-            style = column_style(name, self.flow, self.modules, "colwise")
+            style = column_style(name, self.flow, self.modules, COLWISE.name)
             if style is not None:
                 return style, "traced: read by row-parallel layers"
             why = "its output packs blocks no column split keeps whole"
@@ -150,7 +157,7 @@ class _Inference:
 
     def _head_style(self, name: str) -> str:
         out_features = linear_dims(self.modules[name])[1]
-        return "colwise_gather_output" if out_features % self.n == 0 else "replicate"
+        return (COLWISE_GATHER_OUTPUT if out_features % self.n == 0 else REPLICATE).name
 
     def _can_pair(self, name: str) -> bool:
         """Whether ``name`` can be column-parallel: its readers all Linears that can be
@@ -163,12 +170,12 @@ class _Inference:
             if kind == NORM and _split_reader(reader, self.kinds, self.fixed):
                 continue  # a per-head norm passes the split on
             if kind != DROPOUT and (
-                kind != LINEAR or self.out.get(reader, ("rowwise",))[0] not in ROW
+                kind != LINEAR or not of(self.out.get(reader, (ROWWISE.name,))[0]).row
             ):
                 return False
             for other in self._linear_sources(reader) - {name}:
                 done = self.out.get(other)
-                if done is not None and done[0] not in COL_SHARDED:
+                if done is not None and not of(done[0]).column:
                     return False
                 if done is None and other in self.bad_sinks:
                     return False
@@ -177,9 +184,9 @@ class _Inference:
     def _default(self, kind: str, module: nn.Module) -> str:
         if kind == EMBEDDING:
             if module.num_embeddings % self.n == 0:
-                return "embedding_rowwise"
-            return "embedding_colwise" if module.embedding_dim % self.n == 0 else "replicate"
-        return {PATCH: "colwise", ATTENTION: "heads"}.get(kind, "replicate")
+                return EMBEDDING_ROWWISE.name
+            return (EMBEDDING_COLWISE if module.embedding_dim % self.n == 0 else REPLICATE).name
+        return {PATCH: COLWISE, ATTENTION: HEADS}.get(kind, REPLICATE).name
 
 
 def check_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> None:
@@ -190,7 +197,7 @@ def check_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> Non
         if kinds.get(name) != LINEAR:
             continue
         srcs = {s for s in flow.sources.get(name, ()) if kinds.get(s) == LINEAR}
-        if style in COL_SHARDED:
+        if of(style).column:
             if name in bad:
                 raise PlanError(
                     f"1d: '{name}' is {style} but its sharded output reaches a norm, a head or "
@@ -198,14 +205,14 @@ def check_flow(styles: dict[str, str], kinds: dict[str, str], flow: Flow) -> Non
                     "colwise_gather_output or pair it with a rowwise layer"
                 )
             for reader in flow.consumers(name):
-                if kinds.get(reader) == LINEAR and styles.get(reader) not in ROW:
+                if kinds.get(reader) == LINEAR and not of(styles.get(reader)).row:
                     raise PlanError(
                         f"1d: two column layers in a row: '{name}' ({style}) is read by "
                         f"'{reader}' ({styles.get(reader)}); the reader must be rowwise"
                     )
-        if style in ROW and srcs and not all(styles.get(s) in COL_SHARDED for s in srcs):
+        if of(style).row and srcs and not all(of(styles.get(s)).column for s in srcs):
             raise PlanError(
                 f"1d: '{name}' is rowwise but reads replicated outputs of "
-                f"{sorted(s for s in srcs if styles.get(s) not in COL_SHARDED)}; "
+                f"{sorted(s for s in srcs if not of(styles.get(s)).column)}; "
                 "use rowwise_split_input or make those colwise"
             )

@@ -5,27 +5,29 @@ sequence group; ``sdpa.py`` runs a plain model's ``scaled_dot_product_attention`
 attention."""
 
 from gridtrain.parallel.tensor.dropout import dropout_factory
-from gridtrain.parallel.tensor.plan import (
-    ATTENTION,
-    DROPOUT,
-    EMBEDDING,
-    LINEAR,
-    NORM,
-    OPAQUE,
-    PATCH,
-)
 from gridtrain.parallel.tensor.sequence.geometry import GEOMETRY
 from gridtrain.parallel.tensor.sequence.layout import SEQUENCE, split_batch
 from gridtrain.parallel.tensor.sequence.loss import CrossEntropyLoss, accuracy
 from gridtrain.parallel.tensor.sequence.mha import SequenceMultiheadAttention
 from gridtrain.parallel.tensor.sequence.sdpa import attention_route
 from gridtrain.parallel.tensor.spec import TensorMode
+from gridtrain.parallel.tensor.style import (
+    ATTENTION,
+    DROPOUT,
+    EMBEDDING,
+    HEADS,
+    LINEAR,
+    NORM,
+    OPAQUE,
+    PATCH,
+    REPLICATE,
+)
 
 
 def _replicated(kinds, given, flow, modules, n):
     """Weights are replicated; only dropout masks differ per rank (module docstring), and
     ``nn.MultiheadAttention`` attends over the split positions (``mha.py``)."""
-    styles = {m: "heads" if k == ATTENTION else "replicate" for m, k in kinds.items()}
+    styles = {m: (HEADS if k == ATTENTION else REPLICATE).name for m, k in kinds.items()}
     return styles, {m: "sequence: replicated" for m in kinds}
 
 
@@ -35,11 +37,11 @@ MODE = TensorMode(
     CrossEntropyLoss,
     accuracy,
     layers={
-        (DROPOUT, "replicate"): (dropout_factory(SEQUENCE), {}),
-        (ATTENTION, "heads"): (SequenceMultiheadAttention, {}),
+        (DROPOUT, REPLICATE): (dropout_factory(SEQUENCE), {}),
+        (ATTENTION, HEADS): (SequenceMultiheadAttention, {}),
     },
     kept=frozenset({LINEAR, EMBEDDING, NORM, PATCH, OPAQUE}),
     infer_styles=_replicated,
-    tie_alternatives=("replicate",),
+    tie_alternatives=(REPLICATE,),
     forward_mode=attention_route,
 )
