@@ -36,16 +36,16 @@ from gridtrain.parallel.context import ParallelContext
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
 from gridtrain.parallel.tensor.registry import spec_of
+from gridtrain.parallel.tensor.style import from_hf
 
 GRID_MODES = ("2d", "2.5d", "3d")
-# Hugging Face tp_plan styles that gridtrain spells another way (every other name is read as
-# gridtrain's own: gridtrain.config.STYLES holds HF's vocabulary)
-HF_ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 
 
 def hf_styles(plan: dict[str, str]) -> dict[str, str]:
-    """A model's ``_tp_plan`` in gridtrain's style names (``HF_ALIASES``)."""
-    return {pattern: HF_ALIASES.get(style, style) for pattern, style in plan.items()}
+    """A model's ``_tp_plan`` in gridtrain's style names: each style says the Hugging Face
+    spellings it stands for (``Style.hf_names``); every other name is read as gridtrain's own,
+    whose vocabulary holds HF's."""
+    return {pattern: from_hf(style) for pattern, style in plan.items()}
 
 
 def head_split(ctx: ParallelContext) -> tuple[int, str]:
