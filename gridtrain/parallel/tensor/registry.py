@@ -8,7 +8,6 @@ The engine splits batches, ``gt.nn`` picks its loss and accuracy, the planner an
 from __future__ import annotations
 
 import importlib
-from functools import cache
 
 from torch import Tensor
 
@@ -17,11 +16,16 @@ from gridtrain.parallel.tensor.geometry import ModeGeometry
 from gridtrain.parallel.tensor.modes import geometry_of
 from gridtrain.parallel.tensor.spec import TensorMode
 
+_RUNTIMES: dict[str, TensorMode] = {}  # a plain dict: compiled forwards read it (dynamo
+# warns on, and traces through, a functools cache)
 
-@cache
+
 def _runtime(geometry: ModeGeometry) -> TensorMode:
-    module, _, attribute = geometry.runtime.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    spec = _RUNTIMES.get(geometry.runtime)
+    if spec is None:
+        module, _, attribute = geometry.runtime.partition(":")
+        spec = _RUNTIMES[geometry.runtime] = getattr(importlib.import_module(module), attribute)
+    return spec
 
 
 def mode_spec(name: str | None) -> TensorMode:
