@@ -90,6 +90,29 @@ def test_pipeline_in_flight_follows_the_schedules():
     assert in_flight(Scenario(world=8, pipeline=4, pipeline_micro=4, chunks=2), 3) == 4  # m == P
 
 
+def test_gpipe_keeps_every_microbatch_in_flight():
+    """``parallel.pipeline.schedule = "gpipe"`` runs every forward before any backward, so each
+    stage keeps all m micro-batches (1F1B: ``P - stage``); the bubble, hence the time, is 1F1B's."""
+    spec = ModelSpec("tiny", layers=4, hidden=64, heads=8, vocab=128, seq_len=16)
+
+    def run(schedule):
+        pipeline = {"size": 4, "schedule": schedule}
+        cfg = Config.from_dict({"parallel": {"pipeline": pipeline}, "num_microbatches": 8})
+        return estimate(spec, Scenario.from_config(cfg, 8), get_device("h100-80g"))
+
+    gpipe, one = run("gpipe"), run("1f1b")
+    assert [s.activations.microbatches_in_flight for s in gpipe.stages] == [8, 8, 8, 8]
+    assert [s.activations.microbatches_in_flight for s in one.stages] == [4, 3, 2, 1]
+    assert gpipe.step_s == one.step_s and gpipe.memory > one.memory
+    assert "(gpipe)" in gpipe.scenario.describe()
+    assert gpipe.scenario.config_dict()["parallel"]["pipeline"]["schedule"] == "gpipe"
+    gpipe_chunks = Scenario(
+        world=8, pipeline=4, chunks=2, pipeline_micro=8, pipeline_schedule="gpipe"
+    )
+    with pytest.raises(EstimateError, match="num_chunks = 1"):
+        gpipe_chunks.check(spec)
+
+
 # ---- models, devices, the layout context ----------------------------------------------------
 def test_presets_have_their_published_sizes():
     assert get_model("gpt2-124m").num_params() == pytest.approx(124.5e6, rel=1e-3)  # vocab 50304

@@ -77,13 +77,14 @@ def test_a_schedule_that_cannot_run_the_chunks_is_a_config_error(pipeline, need)
 
 
 def test_an_unknown_schedule_names_the_key_and_every_schedule_of_the_table():
+    from gridtrain.config.pipeline import WARMUP
     from gridtrain.engine.schedules import SCHEDULES as TABLE
 
     message = _error(dict(size=2, schedule="zero-bubble"))
     assert "parallel.pipeline.schedule" in message and "'zero-bubble'" in message
     for name in TABLE:  # the config accepts exactly the engine's table
         assert f"'{name}'" in message
-    assert set(TABLE) == set(SCHEDULES)
+    assert set(TABLE) == set(SCHEDULES) == set(WARMUP)  # and each has its warm-up count
 
 
 def test_only_the_interleaved_schedule_needs_microbatches_divisible_by_the_stages():

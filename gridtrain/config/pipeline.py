@@ -1,8 +1,11 @@
 """``parallel.pipeline``: the pipeline stages, how the model is cut into them, which schedule
-runs them, and what that schedule needs from the other keys."""
+runs them, what that schedule needs from the other keys, and how far each schedule runs
+ahead (``WARMUP``: the engine's schedules run it, ``gridtrain estimate`` counts the
+activations it keeps)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -47,9 +50,7 @@ class PipelineConfig(Section):
     def schedule_name(self) -> str:
         """The schedule that runs: ``schedule``, or by default interleaved when
         ``num_chunks > 1`` and 1f1b otherwise."""
-        if self.schedule is not None:
-            return self.schedule
-        return "interleaved" if self.num_chunks > 1 else "1f1b"
+        return schedule_name(self.schedule, self.num_chunks)
 
     def check_microbatches(self, num_microbatches: int | None) -> None:
         """Raises ``ValueError`` when the schedule cannot run ``num_microbatches`` (None: not
@@ -57,6 +58,14 @@ class PipelineConfig(Section):
         check_schedule(self.schedule, self.num_chunks)  # the keys may be set after loading
         if num_microbatches is not None:
             check_microbatches(self.schedule_name, num_microbatches, self.size, self.num_chunks)
+
+
+def schedule_name(schedule: str | None, num_chunks: int) -> str:
+    """The schedule that runs: ``schedule``, or by default interleaved when ``num_chunks > 1``
+    and 1f1b otherwise."""
+    if schedule is not None:
+        return schedule
+    return "interleaved" if num_chunks > 1 else "1f1b"
 
 
 def check_schedule(schedule: str | None, num_chunks: int) -> None:
@@ -85,3 +94,31 @@ def check_microbatches(schedule: str, num_microbatches: int, pipeline_size: int,
             f"num_microbatches divisible by the pipeline size: num_microbatches "
             f"{m} % pipeline {pipeline_size} != 0"
         )
+
+
+# ---- how far each schedule runs ahead ---------------------------------------------------------
+def _interleaved_warmup(m: int, p: int, v: int, stage: int) -> int:
+    """Megatron's count: two per later stage and a round of the other chunks; with one round
+    of micro-batches per stage (``m == p``) every forward runs first."""
+    total = m * v
+    return total if m == p else min((p - stage - 1) * 2 + (v - 1) * p, total)
+
+
+# schedule -> forwards (of one micro-batch through one chunk) that a stage runs in a training
+# step before its first backward, from (num_microbatches, pipeline size, num_chunks, stage)
+WARMUP: dict[str, Callable[[int, int, int, int], int]] = {
+    "1f1b": lambda m, p, v, stage: min(p - stage - 1, m),
+    "interleaved": _interleaved_warmup,
+    "gpipe": lambda m, p, v, stage: m,  # every forward, then every backward
+}
+
+
+def warmup_forwards(schedule: str, m: int, p: int, v: int, stage: int) -> int:
+    """Forwards ``stage`` runs before its first backward under ``schedule`` (``WARMUP``)."""
+    return WARMUP[schedule](m, p, v, stage)
+
+
+def in_flight(schedule: str, m: int, p: int, v: int, stage: int) -> int:
+    """Chunk micro-batches whose activations ``stage`` keeps at once: its warm-up forwards and
+    the one the first backward waits for, at most all ``m v``."""
+    return min(warmup_forwards(schedule, m, p, v, stage) + 1, m * v)

@@ -1,7 +1,7 @@
 """Every config key that changes memory or time, read into a ``Scenario``; those the estimate
 cannot model are named in its output (``Scenario.unmodelled``), never silently dropped.
 
-Read: ``parallel.pipeline`` (size, num_chunks, partition), ``parallel.tensor`` (size, mode,
+Read: ``parallel.pipeline`` (size, num_chunks, schedule, partition), ``parallel.tensor`` (size, mode,
 depth, ring_attention), ``num_microbatches``, ``gradient_accumulation``, ``fp16.mode``,
 ``clip_grad_norm``, ``zero`` (stage, offload, bucket_size_mb, keep_unsharded_grads),
 ``activation_checkpoint`` (every), ``chunked_loss`` (chunk_tokens, recompute),
@@ -55,6 +55,7 @@ def from_config(
     return Scenario(
         world=world, pipeline=p, tensor=t, mode=tc.mode, depth=tc.depth,
         chunks=cfg.parallel.pipeline.num_chunks, micro_batch=micro_batch or 1,
+        pipeline_schedule=cfg.parallel.pipeline.schedule,
         pipeline_micro=m, accumulation=ga, amp=amp_of(cfg),
         zero=(zc.stage if zc else 0) if zero is None else zero,
         offload=(zc.offload if zc else False) if offload is None else offload,

@@ -18,9 +18,10 @@ sequence) per micro-batch. ``recompute="full"`` (``activation_checkpoint``) keep
 input of every ``recompute_every``-th block and
 rebuilds one block at a time.
 
-In flight: 1F1B keeps ``min(P - stage, m)`` micro-batches on a stage; interleaved
-keeps ``min(2 (P - stage - 1) + (v - 1) P + 1, m v)`` chunk micro-batches
-(``engine/schedules``); without a pipeline one.
+In flight: a stage's warm-up forwards and one more, as the schedule counts them
+(``config/pipeline.py``'s ``WARMUP``, which the engine's schedules run): 1F1B keeps
+``min(P - stage, m)`` micro-batches, interleaved ``min(2 (P - stage - 1) + (v - 1) P + 1, m v)``
+chunk micro-batches, GPipe all ``m``; without a pipeline one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from gridtrain.config.pipeline import in_flight as schedule_in_flight
 from gridtrain.estimate.geometry import Geometry
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.scenario import Scenario, StageLayers
@@ -221,11 +223,8 @@ def in_flight(sc: Scenario, stage: int) -> float:
     p, v, m = sc.pipeline, sc.chunks, sc.pipeline_micro
     if p == 1:
         return 1
-    if v == 1:
-        return min(p - stage, m)
-    total = m * v
-    chunks = total if m == p else min((p - stage - 1) * 2 + (v - 1) * p + 1, total)
-    return chunks / v
+    n = schedule_in_flight(sc.schedule, m, p, v, stage)
+    return n / v if v > 1 else n
 
 
 _ITEMS: dict[tuple, tuple] = {}

@@ -91,7 +91,7 @@ def _memory(e: Estimate) -> list[str]:
         f"stage {w.layers.stage} of {sc.pipeline}: {_layers(w)}" if sc.pipeline > 1 else _layers(w)
     )
     rows = _state_rows(e)
-    flight = "1F1B" if sc.chunks == 1 else "interleaved"
+    flight = {"1f1b": "1F1B", "gpipe": "GPipe"}.get(sc.schedule, sc.schedule)
     how = (
         f"{_gib(act.per_microbatch)} GiB per micro-batch x {act.microbatches_in_flight:g} in flight ({flight})"
         if sc.pipeline > 1

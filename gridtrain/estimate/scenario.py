@@ -15,7 +15,7 @@ import functools
 from typing import Any
 
 from gridtrain.config import Config
-from gridtrain.config.pipeline import check_microbatches
+from gridtrain.config.pipeline import check_microbatches, check_schedule, schedule_name
 from gridtrain.estimate.models import ModelSpec
 from gridtrain.estimate.shards import LayerShards, TensorShards, tensor_shards
 from gridtrain.estimate.skeleton import meta_skeleton
@@ -40,6 +40,7 @@ class Scenario:
     mode: str | None = None
     depth: int = 1
     chunks: int = 1  # interleaved model chunks per stage
+    pipeline_schedule: str | None = None  # parallel.pipeline.schedule (None: by chunks)
     micro_batch: int = 1  # sequences per micro-batch of one data-parallel rank
     pipeline_micro: int = 1  # num_microbatches (1 without a pipeline)
     accumulation: int = 1  # gradient_accumulation
@@ -75,9 +76,9 @@ class Scenario:
 
     @property
     def schedule(self) -> str:
-        """The pipeline schedule that runs (``PipelineConfig.schedule_name``): interleaved with
-        several chunks per stage, else 1F1B."""
-        return "interleaved" if self.chunks > 1 else "1f1b"
+        """The pipeline schedule that runs (``PipelineConfig.schedule_name``): the one named,
+        else interleaved with several chunks per stage and 1F1B with one."""
+        return schedule_name(self.pipeline_schedule, self.chunks)
 
     @property
     def mode_geometry(self) -> ModeGeometry:
@@ -118,6 +119,8 @@ class Scenario:
         mode = f"{self.mode} " if self.mode else ""
         depth = f" depth {self.depth}" if self.mode_geometry.uses_depth else ""
         chunks = f" x {self.chunks} chunks" if self.chunks > 1 else ""
+        if self.pipeline_schedule is not None:
+            chunks += f" ({self.pipeline_schedule})"
         zero = f", ZeRO-{self.zero}{' offload' if self.offload else ''}" if self.zero else ""
         every = f" of every {self.recompute_every} blocks" if self.recompute_every > 1 else ""
         recompute = f", recompute{every}" if self.recompute == "full" else ""
@@ -135,6 +138,8 @@ class Scenario:
         pipeline: dict[str, Any] = {"size": self.pipeline}
         if self.chunks > 1:
             pipeline["num_chunks"] = self.chunks
+        if self.pipeline_schedule is not None:
+            pipeline["schedule"] = self.pipeline_schedule
         out: dict[str, Any] = {"parallel": {"pipeline": pipeline, "tensor": tensor}}
         if self.pipeline > 1:
             out["num_microbatches"] = self.pipeline_micro
@@ -202,7 +207,8 @@ class Scenario:
                 f"{spec.layers} blocks + embed + head = {spec.layers + 2} layers cannot fill "
                 f"pipeline {self.pipeline} x {self.chunks} chunks = {parts} parts"
             )
-        try:  # the engine's own check, with its message
+        try:  # the engine's own checks, with their messages
+            check_schedule(self.pipeline_schedule, self.chunks)
             check_microbatches(self.schedule, self.pipeline_micro, self.pipeline, self.chunks)
         except ValueError as err:
             raise EstimateError(str(err)) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from gridtrain.config.pipeline import warmup_forwards
 from gridtrain.engine.schedules.one_f_one_b import PipelineSchedule
 from gridtrain.engine.schedules.pipeline_step import PipelineStep
 from gridtrain.parallel.context import ParallelContext
@@ -73,13 +74,12 @@ class _InterleavedRun:
         self.total = schedule.num_microbatches * v
         self.first_rank, self.last_rank = stage == 0, stage == p - 1
         self.forward_only = forward_only
-        self.all_warmup = False
+        m = schedule.num_microbatches
+        self.all_warmup = not forward_only and m == p  # one round: every forward first
         if forward_only:
             self.warmups = self.total
-        elif schedule.num_microbatches == p:
-            self.warmups, self.all_warmup = self.total, True
         else:
-            self.warmups = min((p - stage - 1) * 2 + (v - 1) * p, self.total)
+            self.warmups = warmup_forwards(schedule.name, m, p, v, stage)
         self.remaining = self.total - self.warmups
         self.inputs: list[list[Payload]] = [[] for _ in range(v)]
         self.outputs: list[list[Payload]] = [[] for _ in range(v)]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gridtrain.config.pipeline import check_microbatches
+from gridtrain.config.pipeline import check_microbatches, warmup_forwards
 from gridtrain.engine.schedules.base import StepFunctions, check_flags, load_batch
 from gridtrain.engine.schedules.pipeline_step import PipelineStep, concat, micro_batches
 from gridtrain.parallel import comm
@@ -103,7 +103,7 @@ class PipelineSchedule:
     def _run(self, step: PipelineStep) -> None:
         m, p, stage = self.num_microbatches, self.num_stages, self.stage
         forward_only = step.forward_only
-        warmup = m if forward_only else min(p - stage - 1, m)
+        warmup = m if forward_only else warmup_forwards(self.name, m, p, 1, stage)
         remaining = m - warmup
         first, last = stage == 0, stage == p - 1
         inputs: list[Payload] = []
