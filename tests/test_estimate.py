@@ -107,7 +107,7 @@ def test_gpipe_keeps_every_microbatch_in_flight():
     assert "(gpipe)" in gpipe.scenario.describe()
     assert gpipe.scenario.config_dict()["parallel"]["pipeline"]["schedule"] == "gpipe"
     gpipe_chunks = Scenario(
-        world=8, pipeline=4, chunks=2, pipeline_micro=8, pipeline_schedule="gpipe"
+        world=4, pipeline=2, chunks=2, pipeline_micro=8, pipeline_schedule="gpipe"
     )
     with pytest.raises(EstimateError, match="num_chunks = 1"):
         gpipe_chunks.check(spec)

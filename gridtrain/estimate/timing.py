@@ -84,9 +84,9 @@ def group_links(sc: Scenario, gpus_per_node: int) -> dict:
     cut = _links(p, sc.tensor, sc.mode, depth, replicas, gpn)
     full = {
         PM.DATA: sc.data, PM.PIPELINE: sc.pipeline, PM.MODEL: sc.pipeline * sc.tensor,
-        PM.GLOBAL: sc.world, PM.SEQUENCE_DP: sc.data * sc.tensor,
-        FIRST_LAST: 2 if sc.pipeline > 1 else 1,
+        PM.GLOBAL: sc.world, FIRST_LAST: 2 if sc.pipeline > 1 else 1,
     }  # fmt: skip
+    full[sc.mode_geometry.data_parallel] = sc.zero_group  # DATA, or the mode's (SEQUENCE_DP)
     return {m: Link(full.get(m, size), inter) for m, (size, inter) in cut.items()}
 
 
