@@ -2,7 +2,8 @@
 
 An adapter (``parallel.tensor.plan.ModelAdapter``) gives the planner a library's
 knowledge of its models: their tensor plans and head checks, the fixes their code
-needs once sharded, their pipeline layers. ``gridtrain.hf`` is the one for Hugging
+needs once sharded, their pipeline layers, the classes of their own layers that the planner
+treats as its kinds. ``gridtrain.hf`` is the one for Hugging
 Face ``transformers`` models. It is picked here and handed down through
 ``initialize``, so ``parallel/`` and ``engine/`` never import a library's support,
 and ``transformers`` is imported only for its own models.
@@ -28,9 +29,17 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
     return None
 
 
+def register_library_layers(model: nn.Module) -> None:
+    """A plain PyTorch model may hold a library's layers (``transformers``' ``Conv1D``): that
+    library's support hands them to the planner (``gridtrain.hf.layers``) on import."""
+    if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        import gridtrain.hf  # noqa: F401 - its import registers them
+
+
 @functools.wraps(_initialize)  # the engine's signature and docstring
 def initialize(model: nn.Module, *args, adapter: ModelAdapter | None = None, **kwargs):
     # gt.initialize: the engine's, with the model's adapter picked here when none is given
+    register_library_layers(model)
     if adapter is None:
         adapter = adapter_for(model)
     return _initialize(model, *args, adapter=adapter, **kwargs)

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import gridtrain as gt
+import gridtrain.hf  # noqa: F401 - registers transformers' Conv1D with the planner
 from gridtrain.parallel.tensor.plan import EMBEDDING, LINEAR, NORM, PATCH
 from gridtrain.parallel.tensor.registry import spec_of
 

@@ -56,10 +56,10 @@ def broadcast_from_first_replica(model: nn.Module, ctx: ParallelContext) -> None
             t.data.copy_(data)
 
 
-def example_from(train_dataloader: Any, model: nn.Module) -> Any:
-    """An input to trace the model with: the first batch's data, else the model's
-    ``dummy_inputs`` (Hugging Face), else None (the planner then builds one from the
-    model's entry layer). An iterator is never consumed."""
+def example_from(train_dataloader: Any, model: nn.Module, adapter: ModelAdapter | None) -> Any:
+    """An input to trace the model with: the first batch's data, else the adapter's example
+    (Hugging Face: the model's ``dummy_inputs``), else None (the planner then builds one from
+    the model's entry layer). An iterator is never consumed."""
     if train_dataloader is not None and not isinstance(train_dataloader, Iterator):
         batch = next(iter(train_dataloader))
         if isinstance(batch, tuple | list) and len(batch) == 2:
@@ -67,8 +67,8 @@ def example_from(train_dataloader: Any, model: nn.Module) -> Any:
         if isinstance(batch, dict):
             return {k: v for k, v in batch.items() if k != "labels"}
         return batch
-    dummy = getattr(model, "dummy_inputs", None)
-    return dummy if isinstance(dummy, dict) else None
+    example_input = getattr(adapter, "example_input", None)
+    return example_input(model) if example_input is not None else None
 
 
 def _check_arguments(model, optimizer, criterion) -> None:
@@ -152,8 +152,8 @@ def initialize(
     become the mode's layers under the same names, starting from its weights, and
     ``optimizer`` (built over the plain parameters) is rebound to the new ones. Where the
     plan is traced, ``example_inputs`` (else the first batch of ``train_dataloader``, else
-    the model's ``dummy_inputs``, else an input built from the model's entry layer) drives
-    the trace on meta. ``adapter`` is the model library's adapter (its plan, head checks and
+    the adapter's, a Hugging Face model's ``dummy_inputs``, else an input built from the
+    model's entry layer) drives the trace on meta. ``adapter`` is the model library's adapter (its plan, head checks and
     pipeline layers): ``gt.initialize`` passes ``gridtrain.adapters.adapter_for(model)``,
     ``gridtrain.hf`` for a ``transformers`` model. Parameters are then broadcast over their
     data-parallel group, so replicas start equal. With ``zero``, the optimizer is then
@@ -166,7 +166,7 @@ def initialize(
     _check_arguments(model, optimizer, criterion)
     example = example_inputs  # the planner traces where the mode needs it, and chunked_loss
     if example is None and (spec_of(ctx).needs_flow is not None or cfg.chunked_loss is not None):
-        example = example_from(train_dataloader, model)
+        example = example_from(train_dataloader, model, adapter)
     plan = shard_model(model, optimizer, ctx, example, adapter)
     recompute = None  # the block classes to checkpoint, seen on the whole model
     if cfg.activation_checkpoint is not None:

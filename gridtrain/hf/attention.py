@@ -41,7 +41,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gridtrain.hf.sequence_checks import RandomDraws, refuse_unsupported_layers, training
+from gridtrain.hf.modes import sequence_modes
+from gridtrain.hf.sequence_checks import (
+    RandomDraws,
+    advice,
+    refuse_unsupported_layers,
+    training,
+)
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
 from gridtrain.parallel.mode import ParallelMode
@@ -124,8 +130,7 @@ def _refuse_unknown(module: nn.Module, kwargs: dict[str, Any]) -> None:
         shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else value
         raise PlanError(
             f"sequence parallelism: {_model_name(module)}'s attention passes {name}={shown}, "
-            f"which ring attention does not implement; use a layout without tensor mode "
-            f"'sequence' for this model"
+            f"which ring attention does not implement; {advice()}"
         )
 
 
@@ -140,7 +145,7 @@ def _refuse_cached_keys(module: nn.Module, query: Tensor, key: Tensor) -> None:
             f"use_cache={getattr(module.config, 'use_cache', None)} in its config); ring "
             "attention attends over the sequence's own positions only: set "
             "model.config.use_cache = False before gt.initialize if the model trains without "
-            "its cache, else use a layout without tensor mode 'sequence'"
+            f"its cache, else use a layout without tensor mode {sequence_modes()}"
         )
 
 
@@ -206,8 +211,7 @@ def ring_mask(
         f"sequence parallelism: {getattr(config, 'model_type', 'the model')} asks for a mask "
         f"pattern ({what}) other than causal, bidirectional or a causal sliding window "
         "(packed sequences, chunked attention, a bidirectional window, or an overlay such as "
-        "image tokens); ring attention computes those three only: use a layout without "
-        "tensor mode 'sequence' for this model"
+        f"image tokens); ring attention computes those three only: {advice()}"
     )
 
 
@@ -231,7 +235,7 @@ def _model_name(module: nn.Module) -> str:
 
 
 def install(model: nn.Module, ctx: ParallelContext) -> None:
-    """Switch ``model`` to ring attention and global positions (tensor mode 'sequence'), and
+    """Switch ``model`` to ring attention and global positions (a mode that cuts the sequence), and
     run it once on meta so that what ring attention refuses is refused now."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -279,8 +283,7 @@ def _refuse_mask_reader(model: nn.Module, err: Exception) -> None:
             f"sequence parallelism: {type(model).__name__}'s own code computes with its "
             f"attention mask ({type(err).__name__}: {err}); a mask built from a rank's part of "
             "the sequence cannot be applied under sequence parallelism: ring attention takes "
-            "the mask pattern (causal, bidirectional or a causal sliding window) only; use a "
-            "layout without tensor mode 'sequence' for this model"
+            f"the mask pattern (causal, bidirectional or a causal sliding window) only; {advice()}"
         ) from err
 
 

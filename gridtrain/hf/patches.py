@@ -1,11 +1,7 @@
 """Small fixes a Hugging Face model's own code needs once its layers are sharded or lazily built.
 
-* GPT-2's attention splits ``c_attn``'s output with ``split_size = hidden`` (the dense
-  width); with heads split over the tensor group each rank's ``c_attn`` returns
-  ``3 * hidden / split`` features, so ``split_size`` (and ``num_heads``) become local.
-  Phi-3 cuts its fused ``qkv_proj`` output at the dense query width, so its attention
-  modules get local head counts too. Llama-family attention reshapes with ``-1`` heads
-  and needs nothing; any other attention that keeps its head counts or head width as
+* Llama-family attention reshapes with ``-1`` heads and needs nothing; GPT-2 and Phi-3 get
+  this rank's head counts from their family files (``families/``); any other attention that keeps its head counts or head width as
   attributes (OPT's ``num_heads``, Falcon's ``num_kv_heads``, OpenAI GPT's ``split_size``) gets this rank's where its projections are split (``localise_heads``):
   the planner's run on this rank's shapes checks the result before any weight moves.
 * ``gt.lazy_init()`` builds the model on meta; the engine then allocates each rank's
@@ -21,7 +17,7 @@ import types
 import torch
 from torch import nn
 
-from gridtrain.parallel.tensor.base import is_conv1d
+from gridtrain.parallel.tensor.base import is_transposed_linear
 from gridtrain.parallel.tensor.norm import norm_kind
 
 Undo = list[tuple[object, str, object]]  # (object, attribute, its value before), to restore
@@ -37,41 +33,6 @@ def restore(undo: Undo) -> None:
     """Put back what ``set_undoable`` changed, last change first."""
     for obj, attr, old in reversed(undo):
         setattr(obj, attr, old)
-
-
-def localise_gpt2_heads(model: nn.Module, split: int, undo: Undo) -> None:
-    """Make every GPT-2 attention's ``split_size`` / ``num_heads`` this rank's."""
-    if split == 1:
-        return
-    for module in model.modules():
-        if hasattr(module, "c_attn") and hasattr(module, "split_size"):
-            set_undoable(undo, module, "split_size", module.embed_dim // split)
-            set_undoable(undo, module, "num_heads", module.num_heads // split)
-
-
-class _LocalHeads:
-    """A view of a model's config with this rank's query-head count; every other field
-    (and later changes, such as the attention implementation) read through."""
-
-    def __init__(self, config, num_attention_heads: int):
-        self.__dict__.update(_config=config, num_attention_heads=num_attention_heads)
-
-    def __getattr__(self, name: str):
-        return getattr(self._config, name)
-
-
-def localise_phi3_heads(model: nn.Module, packed: set[str], split: int, undo: Undo) -> None:
-    """Phi-3's attention cuts ``qkv_proj``'s output at ``config.num_attention_heads *
-    head_dim`` (the dense width): where ``qkv_proj`` is split as packed blocks (``packed``
-    holds those paths), its attention gets this rank's head counts."""
-    if split == 1:
-        return
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if f"{prefix}qkv_proj" in packed and hasattr(module, "num_key_value_heads"):
-            set_undoable(undo, module, "num_key_value_heads", module.num_key_value_heads // split)
-            local = _LocalHeads(module.config, module.config.num_attention_heads // split)
-            set_undoable(undo, module, "config", local)
 
 
 # attributes an attention module may keep its (query or key/value) head counts, or the width
@@ -129,7 +90,7 @@ def give_reset_parameters(model: nn.Module) -> None:
         return
     for module in model.modules():
         if hasattr(module, "reset_parameters") or not (
-            is_conv1d(module) or norm_kind(module) is not None or is_rotary(module)
+            is_transposed_linear(module) or norm_kind(module) is not None or is_rotary(module)
         ):
             continue
         module.reset_parameters = types.MethodType(_reset_with(init), module)

@@ -3,7 +3,8 @@
 The cut points come from ``transformers``' pipeline plan (``_pp_plan``: the base model's
 ``base_model_pp_plan`` prefixed, plus ``lm_head``: Llama, Qwen2, Gemma2, Granite,
 Cohere...): ``model.embed_tokens``, every ``model.layers.i``, ``model.norm``, ``lm_head``.
-GPT-2 has none; gridtrain's plan for it, in the same form, is ``GPT2_PP_PLAN``. The plan
+A family registered in ``families/`` may give its own (GPT-2 has none: ``families/gpt2.py``
+holds gridtrain's, in the same form). The plan
 becomes a ``ModelCut`` (``parallel.pipeline.model_stage``): each stage keeps the model with
 the units other stages hold replaced by stand-ins and runs ``model.forward`` on every
 micro-batch, so what the family does around its layers (scaled or multiplied embeddings,
@@ -26,20 +27,14 @@ import inspect
 
 from torch import nn
 
+from gridtrain.hf.families import family_of
 from gridtrain.hf.patches import give_reset_parameters
+from gridtrain.hf.plans import base_prefix
 from gridtrain.parallel.pipeline.model_stage import ModelCut, StageUnit
 from gridtrain.parallel.tensor.plan import PlanError
 
 # the batch keys a stage's forward may be given, where the model's forward takes them
 BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids")
-# GPT-2's units and their inputs / outputs, in transformers' _pp_plan form
-GPT2_PP_PLAN = {
-    "transformer.wte": (["input_ids"], ["inputs_embeds"]),
-    "transformer.wpe": (["position_ids"], ["position_embeds"]),
-    "transformer.h": (["hidden_states"], ["hidden_states"]),
-    "transformer.ln_f": (["hidden_states"], ["hidden_states"]),
-    "lm_head": (["hidden_states"], ["logits"]),
-}
 
 
 def pipeline_layers(model: nn.Module) -> ModelCut:
@@ -68,10 +63,12 @@ def pipeline_layers(model: nn.Module) -> ModelCut:
 def _pipeline_plan(model: nn.Module) -> dict[str, tuple[list[str], list[str]]]:
     """Module path -> (inputs, outputs), base model first: ``_pp_plan`` lists ``lm_head``
     before the base model's units; the base model's keep their order."""
-    if getattr(model.config, "model_type", None) == "gpt2" and hasattr(model, "transformer"):
-        return dict(GPT2_PP_PLAN)
+    hook = family_of(model).pipeline_plan
+    own = hook(model) if hook is not None else None
+    if own is not None:  # gridtrain's plan for the family (families/)
+        return own
     plan = dict(getattr(model, "_pp_plan", None) or {})
-    prefix = _base_prefix(model)
+    prefix = base_prefix(model)
     base = dict(getattr(model.config, "base_model_pp_plan", None) or {})
     ordered = {prefix + k: v for k, v in base.items()}
     ordered.update({k: v for k, v in plan.items() if k.startswith(prefix) and k not in ordered})
@@ -111,11 +108,3 @@ def _forward_parameters(model: nn.Module) -> set[str]:
         if "forward" in vars(cls):
             names |= set(inspect.signature(vars(cls)["forward"]).parameters)
     return names
-
-
-def _base_prefix(model: nn.Module) -> str:
-    base = getattr(model, "base_model", model)
-    for name, module in model.named_modules():
-        if module is base:
-            return f"{name}." if name else ""
-    return ""

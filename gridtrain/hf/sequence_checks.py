@@ -1,6 +1,6 @@
 """What sequence parallelism cannot run exactly in a Hugging Face model, refused at initialize.
 
-Under tensor mode 'sequence' each rank runs the model's own code on its ``S / N`` positions
+Under sequence parallelism (a tensor mode whose geometry ``splits_sequence``) each rank runs the model's own code on its ``S / N`` positions
 and only attention looks across them (ring attention, ``attention.py``). Anything else that
 mixes positions would see this rank's part of the sequence alone and train another model,
 silently. So ``gt.initialize`` refuses, naming the layer:
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from gridtrain.hf.modes import sequence_modes
 from gridtrain.parallel.tensor.plan import PlanError
 
 # layer kinds (config.layer_types) that are attention ring attention computes
@@ -53,7 +54,11 @@ RANDOM = frozenset(
         torch.Tensor.geometric_,
     }
 )
-_ADVICE = "use a layout without tensor mode 'sequence' for this model"
+
+
+def advice() -> str:
+    """The way out every refusal here ends with."""
+    return f"use a layout without tensor mode {sequence_modes()} for this model"
 
 
 def refuse_unsupported_layers(model: nn.Module) -> None:
@@ -69,7 +74,7 @@ def refuse_unsupported_layers(model: nn.Module) -> None:
             f"sequence parallelism: {name}'s layer {_layer_path(model, chunked[0], len(kinds))}"
             f" is a 'chunked_attention' layer (config.layer_types; attention_chunk_size="
             f"{size}): ring attention computes causal, bidirectional and causal sliding "
-            f"window attention, not attention within chunks; {_ADVICE}"
+            f"window attention, not attention within chunks; {advice()}"
         )
     if other:
         i, kind = next(iter(other.items()))
@@ -77,7 +82,7 @@ def refuse_unsupported_layers(model: nn.Module) -> None:
             f"sequence parallelism: {name}'s layer {_layer_path(model, i, len(kinds))} is a "
             f"{kind!r} layer (config.layer_types; {len(other)} such layers), which mixes "
             f"positions outside attention: on a rank's part of the sequence it would restart "
-            f"at the shard's first position; {_ADVICE}"
+            f"at the shard's first position; {advice()}"
         )
     for path, module in model.named_modules():
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
@@ -85,7 +90,7 @@ def refuse_unsupported_layers(model: nn.Module) -> None:
                 f"sequence parallelism: {name}'s '{path}' (nn.Conv1d, kernel "
                 f"{module.kernel_size[0]}) mixes positions outside attention: on a rank's part "
                 f"of the sequence it would not see the previous shard's last positions; "
-                f"{_ADVICE}"
+                f"{advice()}"
             )
 
 
@@ -149,7 +154,7 @@ class RandomDraws(TorchFunctionMode):
             f"sequence parallelism: {where} draws "
             f"random numbers in its training forward ({func}, outside dropout): one process's "
             f"draws cannot be cut by positions, and each rank would draw the same numbers for "
-            f"its own tokens; {_ADVICE}"
+            f"its own tokens; {advice()}"
         )
 
 

@@ -21,6 +21,7 @@ import logging
 
 from torch import nn
 
+from gridtrain.hf.modes import whole_hidden_modes
 from gridtrain.hf.moe.experts import (
     Placement,
     check_experts,
@@ -41,7 +42,6 @@ __all__ = ["ExpertTable", "parallelize_experts"]
 
 # config fields that count the experts of a mixture-of-experts family
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-EXPERT_MODES = (None, "1d", "sequence")  # tensor modes whose activations the experts can take
 
 
 def parallelize_experts(
@@ -72,12 +72,12 @@ def parallelize_experts(
 
 
 def _check_layout(model: nn.Module, ctx: ParallelContext, first: str) -> None:
-    mode = ctx.tensor_mode
-    if mode not in EXPERT_MODES:
+    if ctx.tensor_geometry.blocked:  # the experts take whole hidden states
         raise PlanError(
             f"'{first}' ({type(model.get_submodule(first)).__name__}): the experts of "
-            f"{type(model).__name__} take whole hidden states; tensor mode {mode!r} splits "
-            f"them (use tensor mode 1d or sequence with mixture-of-experts models)"
+            f"{type(model).__name__} take whole hidden states; tensor mode "
+            f"{ctx.tensor_mode!r} splits them (use tensor mode {whole_hidden_modes()} with "
+            "mixture-of-experts models)"
         )
     if ctx.pipeline_parallel_size > 1 and getattr(model.config, "output_router_logits", False):
         raise PlanError(

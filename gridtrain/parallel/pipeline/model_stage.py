@@ -47,12 +47,12 @@ __all__ = ["ModelCut", "Placeholder", "StageUnit", "StandIn", "StopForward", "cu
 class StageUnit:
     """One unit of a model cut: its dotted path, the module, whether a stage may begin with it
     (its first input is the activation; a unit given token ids is not) and the keyword of
-    that input when the model passes it by name."""
+    that input when the model passes it by name (the adapter's: ``hidden_states``)."""
 
     name: str
     module: nn.Module
-    cut_before: bool = True
-    arg: str = "hidden_states"
+    cut_before: bool
+    arg: str
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The one base of every sharded layer: made from a dense module, it keeps this rank's shards.
 
 A sharded layer is built *from* the dense module it replaces (``nn.Linear``,
-``nn.Embedding``, a norm, HF ``Conv1D``...): its parameters are this rank's cut
+``nn.Embedding``, a norm, a library's transposed Linear...): its parameters are this rank's cut
 of the dense module's current values, tagged with their shard specs, under the
 dense module's parameter names, so full state dicts keep the dense keys and
 shapes. The dense module is kept on the meta device (no memory) as the layer's
@@ -41,14 +41,27 @@ class _Twin:
         self.module = dense
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2): a Linear whose weight is stored ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+# Linear classes that store their weight ``[in, out]`` (Hugging Face's ``Conv1D``), registered
+# by the model library's support above ``parallel/`` (``gridtrain.hf``): the planner and the
+# layers treat them as Linears without naming a library's class
+TRANSPOSED_LINEARS: list[type[nn.Module]] = []
+
+
+def register_transposed_linear(cls: type[nn.Module]) -> None:
+    """Plan ``cls`` (and its subclasses) as a Linear whose ``weight`` is ``[in, out]`` and whose
+    forward computes ``x W + b``."""
+    if cls not in TRANSPOSED_LINEARS:
+        TRANSPOSED_LINEARS.append(cls)
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is of a class ``register_transposed_linear`` registered."""
+    return isinstance(module, tuple(TRANSPOSED_LINEARS))
 
 
 def linear_dims(dense: nn.Module) -> tuple[int, int, bool]:
-    """(in_features, out_features, transposed) of an ``nn.Linear`` or HF ``Conv1D``."""
-    if is_conv1d(dense):
+    """(in_features, out_features, transposed) of an ``nn.Linear`` or a transposed Linear."""
+    if is_transposed_linear(dense):
         return dense.weight.shape[0], dense.weight.shape[1], True
     if isinstance(dense, nn.Linear):
         return dense.in_features, dense.out_features, False

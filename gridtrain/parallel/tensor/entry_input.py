@@ -7,7 +7,7 @@ asks ``infer_example``, which builds candidates from the first layers that can
 take a model's input (in the order the model registers them):
 
 * an ``Embedding``: token ids ``[batch, seq]`` in ``[0, num_embeddings)``, then ``[batch]``;
-* a ``Linear`` (or Hugging Face's ``Conv1D``): features ``[batch, seq, in]``, then ``[batch, in]``;
+* a ``Linear`` (or a registered transposed Linear, ``base.register_transposed_linear``): features ``[batch, seq, in]``, then ``[batch, in]``;
 * a ``Conv1d/2d/3d``: ``[batch, in_channels, *spatial]`` at a few sizes;
 * ``gt.nn.PatchEmbedding``: images of its own ``img_size``.
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gridtrain.parallel.tensor.base import is_conv1d, linear_dims
+from gridtrain.parallel.tensor.base import is_transposed_linear, linear_dims
 from gridtrain.parallel.tensor.plan import PATCH, PlanError, kind_of
 from gridtrain.parallel.tensor.trace import run_on_meta
 
@@ -81,7 +81,7 @@ def _inputs_for(module: nn.Module) -> Iterator[tuple[tuple[int, ...], torch.dtyp
     if isinstance(module, nn.Embedding):
         yield (BATCH, SEQ), torch.long
         yield (BATCH,), torch.long
-    elif isinstance(module, nn.Linear) or is_conv1d(module):
+    elif isinstance(module, nn.Linear) or is_transposed_linear(module):
         in_features = linear_dims(module)[0]
         yield (BATCH, SEQ, in_features), dtype
         yield (BATCH, in_features), dtype

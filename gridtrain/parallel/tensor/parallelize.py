@@ -54,9 +54,13 @@ logger = logging.getLogger("gridtrain")
 HINT_ATTR = "gt_style"  # gt.nn layers carry their hinted style here
 
 
+OWN_PLAN_ATTR = "gt_tp_plan"  # a model's own plan (full module paths), where no adapter gives it
+
+
 def model_plan(model: nn.Module) -> dict[str, str]:
-    """The model's own plan: Hugging Face's ``_tp_plan`` (full module paths), if any."""
-    plan = getattr(model, "_tp_plan", None) or getattr(model, "gt_tp_plan", None)
+    """The model's own plan (``OWN_PLAN_ATTR``), if any; a library's adapter gives its models'
+    (``ModelAdapter.plan_model``: Hugging Face's ``_tp_plan``)."""
+    plan = getattr(model, OWN_PLAN_ATTR, None)
     return dict(plan) if isinstance(plan, dict) else {}
 
 
@@ -88,7 +92,8 @@ def build_plan(
         own_plan, example = adapter.plan_model(model, ctx, example)
     kinds = tracked_modules(model)
     modules = dict(model.named_modules())
-    given = _given_styles(model, ctx, kinds, modules, own_plan)
+    source = getattr(adapter, "own_plan_name", OWN_PLAN_ATTR)  # the name messages give it
+    given = _given_styles(model, ctx, kinds, modules, own_plan, source)
     flow, example = _trace(model, spec, kinds, given, example)
     given.update(head_norms(kinds, given, flow, modules))
     styles, origin = spec.infer_styles(kinds, given, flow, modules, n)
@@ -141,7 +146,7 @@ def _entry_example(model: nn.Module, mode: str, needed: bool) -> Any:
         return None
 
 
-def _given_styles(model, ctx, kinds, modules, own_plan) -> dict[str, tuple[str, str]]:
+def _given_styles(model, ctx, kinds, modules, own_plan, own_name) -> dict[str, tuple[str, str]]:
     """Module -> (style, origin) from the config's plan, ``gt.nn`` hints and the model's plan."""
     names = list(kinds)
     given: dict[str, tuple[str, str]] = {}
@@ -152,7 +157,7 @@ def _given_styles(model, ctx, kinds, modules, own_plan) -> dict[str, tuple[str, 
         hint = getattr(modules[name], HINT_ATTR, None)
         if hint is not None and name not in given:
             given[name] = (hint, "hint")
-    source = f"{type(model).__name__}._tp_plan"
+    source = f"{type(model).__name__}.{own_name}"
     own = match_patterns(own_plan, names, source, strict=False, known=False)
     for name, style in own.items():  # entry by entry: the config's entries win
         if name in given:

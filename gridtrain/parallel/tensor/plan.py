@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from torch import nn
 
 from gridtrain.parallel.tags import get_shard_spec
-from gridtrain.parallel.tensor.base import is_conv1d
+from gridtrain.parallel.tensor.base import is_transposed_linear
+from gridtrain.parallel.tensor.none.layers import PatchEmbedding
 from gridtrain.parallel.tensor.norm import norm_kind
 from gridtrain.parallel.tensor.probe import computes_linear
 from gridtrain.parallel.tensor.style import (  # the kinds, re-exported for the planner's users
@@ -51,11 +52,11 @@ def kind_of(module: nn.Module) -> str | None:
         return OPAQUE  # already parallel (a gridtrain layer, or sharded by hand with tags)
     if isinstance(module, nn.MultiheadAttention):
         return ATTENTION
-    if (isinstance(module, nn.Linear) and computes_linear(module)) or is_conv1d(module):
+    if (isinstance(module, nn.Linear) and computes_linear(module)) or is_transposed_linear(module):
         return LINEAR
     if isinstance(module, nn.Embedding):
         return EMBEDDING
-    if type(module).__name__ == "PatchEmbedding" and hasattr(module, "cls_token"):
+    if isinstance(module, PatchEmbedding):
         return PATCH
     if norm_kind(module) is not None:
         return NORM
@@ -204,7 +205,8 @@ class Plan:
 class ModelAdapter(Protocol):
     """What a model library adds to planning, for the models it defines: ``gridtrain.hf``
     for Hugging Face ``transformers`` models. Chosen above ``parallel/`` (``gridtrain.adapters``)
-    and handed in, so the planner never imports a library's support."""
+    and handed in, so the planner never imports a library's support. ``own_plan_name``:
+    optional, what messages call the model's own plan (``"_tp_plan"``)."""
 
     def plan_model(self, model: nn.Module, ctx, example: Any) -> tuple[dict[str, str], Any]:
         """The model's plan (module pattern -> style) and the example to trace it with."""
@@ -223,6 +225,10 @@ class ModelAdapter(Protocol):
         """Optional, before planning, in every layout: e.g. spread the model's experts over
         EXPERT; returns old parameter id -> new parameter and a printable expert layout
         (``Plan.experts``, None for none)."""
+
+    def example_input(self, model: nn.Module) -> Any:
+        """Optional: an input to trace the model with when the user gave none and there is no
+        batch (Hugging Face: the model's ``dummy_inputs``); None for none."""
 
 
 def layout_of(ctx) -> dict[str, Any]:

@@ -21,22 +21,23 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from gridtrain.parallel.tensor.geometry import ModeGeometry
 from gridtrain.parallel.tensor.plan import PlanError, match_patterns
 
-GRID_MODES = ("2d", "2.5d", "3d")
 # model -> {path: (its embedding scale, the module found there)}, from check to restore
 _FIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def check(model: nn.Module, mode: str | None, given: dict[str, str]) -> dict[str, str]:
+def check(model: nn.Module, geometry: ModeGeometry, given: dict[str, str]) -> dict[str, str]:
     """The plan entries (HF patterns) of ``model``'s embeddings that do more than look up,
-    under tensor ``mode`` (module docstring); records the 1d hooks for ``restore``. ``given``:
+    under the tensor mode of ``geometry`` (module docstring); records the 1d hooks for
+    ``restore``. ``given``:
     the config's plan, which wins; one that splits such an embedding under 1d, which its
     own forward would not survive, is a PlanError naming it."""
     fixes: dict[str, tuple[Tensor, nn.Module]] = {}
     entries: dict[str, str] = {}
     _FIXES[model] = fixes
-    if mode in (None, "sequence"):
+    if geometry.name is None or geometry.splits_sequence:  # every rank keeps the table whole
         return entries
     custom = {
         name: module
@@ -46,7 +47,7 @@ def check(model: nn.Module, mode: str | None, given: dict[str, str]) -> dict[str
     styles = match_patterns(given, list(custom), "parallel.tensor.plan", strict=False)
     for name, module in custom.items():
         style = styles.get(name)
-        if mode in GRID_MODES:
+        if geometry.blocked:
             entries[name] = "embedding_colwise"  # the grid's embedding runs its own forward
         elif style != "replicate":
             scale = _embedding_scale(module)
