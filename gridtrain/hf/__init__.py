@@ -49,6 +49,7 @@ __all__ = [
     "PretrainedFileError",
     "PretrainedMismatchError",
     "after_apply",
+    "example_input",
     "local_view",
     "load_pretrained",
     "parallelize_experts",
