@@ -2,7 +2,8 @@
 the planner keeps it whole (its forward runs) unless that forward computes ``F.linear``,
 and parallelises the rest. A LoRA-style layer (an extra low-rank path through two child
 Linears) and a scaled head train under 1d equal to one process; the plain Linears around
-them are really split."""
+them are really split. Hugging Face's ``Conv1D`` (weight ``[in, out]``) in a plain model is a
+Linear to the planner, as in a ``transformers`` model (``gridtrain.hf`` registers it)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,16 @@ class SameLinear(nn.Linear):
         return x @ self.weight.T + self.bias
 
 
+def _conv1d(n_in: int, n_out: int) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(n_out, n_in)
+
+
 def build(kind: str) -> nn.Module:
-    custom = {"lora": LoRALinear, "scaled": ScaledLinear, "same": SameLinear}[kind]
+    custom = {"lora": LoRALinear, "scaled": ScaledLinear, "same": SameLinear, "conv1d": _conv1d}
     return nn.Sequential(
-        nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), custom(WIDTH, 8)
+        nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH), custom[kind](WIDTH, 8)
     )
 
 
@@ -70,7 +77,13 @@ CONFIG = dict(parallel=dict(tensor=dict(size=2, mode="1d")))
 
 
 @pytest.mark.parametrize(
-    "kind, head_share", [("lora", 1.0), ("scaled", 1.0), ("same", pytest.approx(0.5, abs=0.1))]
+    "kind, head_share",
+    [
+        ("lora", 1.0),
+        ("scaled", 1.0),
+        ("same", pytest.approx(0.5, abs=0.1)),
+        ("conv1d", pytest.approx(0.5, abs=0.1)),  # a plain model's Conv1D is split too
+    ],
 )
 def test_a_linear_subclass_keeps_its_forward_under_1d(kind, head_share):
     ref = reference_run(lambda: seeded(lambda: build(kind)), batches(), loss_fn, adamw)
