@@ -259,7 +259,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_benchmark_cpu_form(name):
     cmd, check = CASES[name]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU forms, on GPU machines too
+    # the CPU forms, on GPU machines too; one thread a process, as torchrun gives each rank:
+    # two threads spinning on 2 cores shared with other ranks or runs doubled the wall time
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     out = forked.run(cmd, REPO, env, timeout=240)
     assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     check(out.stdout)
