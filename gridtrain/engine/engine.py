@@ -174,11 +174,10 @@ class Engine:
         """Autocast (amp modes), the configured SDPA kernels and the tensor mode's forward
         context (sequence: ``F.scaled_dot_product_attention`` as ring attention) around a
         forward."""
-        mode = spec_of(self.ctx).forward_mode
         with (
             autocast(self.ctx.device, self.autocast_dtype),
             sdpa_context(self._attention),
-            mode(self.ctx) if mode is not None else contextlib.nullcontext(),
+            spec_of(self.ctx).forward_mode(self.ctx),
         ):
             yield
 

@@ -165,7 +165,7 @@ def initialize(
     cfg = ctx.config
     _check_arguments(model, optimizer, criterion)
     example = example_inputs  # the planner traces where the mode needs it, and chunked_loss
-    if example is None and (spec_of(ctx).needs_flow is not None or cfg.chunked_loss is not None):
+    if example is None and (spec_of(ctx).splits_weights or cfg.chunked_loss is not None):
         example = example_from(train_dataloader, model, adapter)
     plan = shard_model(model, optimizer, ctx, example, adapter)
     recompute = None  # the block classes to checkpoint, seen on the whole model

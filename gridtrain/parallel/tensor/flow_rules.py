@@ -131,7 +131,7 @@ def loose_modules(model: nn.Module, kinds: dict[str, str]) -> tuple[str, ...]:
 def check_loose_params(kinds, styles, flow: Flow | None, modules, spec) -> None:
     """PlanError naming a loose module (``loose_modules``) that reads a Linear whose output
     stays split under ``spec`` (module docstring)."""
-    if flow is None or spec.splits_output is None:
+    if flow is None:
         return
     for name, srcs in flow.watched.items():
         split = sorted(

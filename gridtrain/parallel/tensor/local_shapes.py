@@ -75,9 +75,9 @@ def check_local_shapes(
     spec = mode_spec(plan.mode)
     # an adapter that replaces the model's attention under the mode (HF: ring attention)
     # checks its own calls at initialize; the model's original attention is not what runs
-    if spec.forward_mode is not None and not attention_replaced:
+    if spec.wraps_forward and not attention_replaced:
         check_routed_attention(model, example, spec, ctx, attention_stand_ins(model, plan, ctx))
-    if spec.splits_output is None or flow is None:
+    if not spec.splits_weights or flow is None:  # activations keep their dense widths
         return
     split, what = spec.head_split(plan.size, ctx.config.parallel.tensor.depth)
     local = _local_example(example, ctx)
@@ -227,7 +227,7 @@ def _stand_ins(
 
 def _in_width(module: nn.Module, entry, spec: TensorMode, split: int) -> set[int] | None:
     """The last dims this rank's replacement of a Linear or norm takes (None: not checked)."""
-    if not entry.layer or spec.splits_input is None or entry.kind not in (LINEAR, NORM):
+    if not entry.layer or entry.kind not in (LINEAR, NORM):
         return None
     if entry.kind == LINEAR:
         width = linear_dims(module)[0]

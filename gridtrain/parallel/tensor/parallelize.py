@@ -84,7 +84,7 @@ def build_plan(
     """
     spec, n = mode_spec(ctx.tensor_mode), ctx.world_size(ParallelMode.TENSOR)
     plan = Plan(spec.name, n, layout=layout_of(ctx))
-    if spec.infer_styles is None:  # no tensor mode: nothing to plan
+    if spec.name is None:  # no tensor mode: nothing to plan
         count_sharded(plan, model)
         return plan
     own_plan = model_plan(model)
@@ -106,8 +106,7 @@ def build_plan(
             for m in flow.order
             if kinds.get(m) == LINEAR and m in flow.output_sources
         }
-    if spec.check is not None:
-        spec.check(plan, model)
+    spec.check(plan, model)
     check_loose_params(kinds, {m: e.style for m, e in plan.entries.items()}, flow, modules, spec)
     count_sharded(plan, model)
     with adapter.local_view(model, plan, ctx) if adapter is not None else nullcontext():
@@ -118,7 +117,7 @@ def build_plan(
 def _trace(model, spec: TensorMode, kinds, given, example) -> tuple[Flow | None, Any]:
     """The model's data flow (None where the mode never traces, or where nothing needs it
     and no input can be built) and the example it was traced on."""
-    if spec.needs_flow is None:
+    if not spec.splits_weights:  # weights whole: nothing is planned from the flow
         return None, example
     if example is None:  # a given plan is checked against the flow too
         example = _entry_example(model, spec.name, spec.needs_flow(kinds, given))
@@ -174,7 +173,7 @@ def _given_styles(model, ctx, kinds, modules, own_plan, own_name) -> dict[str, t
 
 def _add_entries(plan: Plan, spec: TensorMode, kinds, styles, origin, flow, modules) -> None:
     """One ``PlanEntry`` per tracked layer, with the options its mode's layer takes."""
-    extra = spec.entry_options(kinds, styles, flow) if spec.entry_options else {}
+    extra = spec.entry_options(kinds, styles, flow)
     for name, kind in kinds.items():
         options: dict[str, Any] = {}
         style = styles[name]
