@@ -123,7 +123,7 @@ def test_router_aux_loss_is_the_global_batchs(family):
     """``out.aux_loss`` on each of 2 data-parallel ranks (ep 2) is the load-balancing loss of
     the whole batch, as one process computes it from the same weights, every step; each rank's
     own half of the batch gives another value (so the check can fail). None of the families
-    computes a router z-loss (``gridtrain/hf/moe/families.py``)."""
+    computes a router z-loss (their files in ``gridtrain/hf/families/``)."""
     batches = moe_batches()
     build = lambda: tiny_moe(family)  # noqa: E731
     ref = reference_run(build, batches, dense_moe_loss(COEF), adamw)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+if TYPE_CHECKING:  # hf/moe imports this registry
+    from gridtrain.hf.moe.families import MoeFamily
+
 # the families of this package (their module names), registered on first use of the registry
-BUILT_IN = ("gpt2", "phi3")
+BUILT_IN = ("gpt2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
 _loaded: list[bool] = []
 
 TensorPlan = Callable[[nn.Module, Any], dict[str, str]]  # (model, ctx) -> pattern -> style
@@ -34,13 +37,16 @@ class Family:
     default sets attention attributes equal to the config's head counts where a projection's
     output is split, ``patches.localise_heads``); every change goes through
     ``patches.set_undoable`` so the planner's forward on this rank's shapes can undo it.
-    ``pipeline_plan``: the pipeline units, in place of the model's ``_pp_plan``.
+    ``pipeline_plan``: the pipeline units, in place of the model's ``_pp_plan``. ``moe``: a
+    mixture-of-experts family's router losses (``hf/moe/families.py``), which gridtrain makes
+    the global batch's under data parallelism.
     """
 
     model_type: str
     tensor_plan: TensorPlan | None = None
     localise: Localise | None = None
     pipeline_plan: PipelinePlan | None = None
+    moe: MoeFamily | None = None
     note: str = ""
 
 

@@ -1,16 +1,19 @@
-"""What gridtrain knows about each Hugging Face mixture-of-experts family, as data.
+"""What gridtrain knows about a Hugging Face mixture-of-experts family, as data.
 
 Which modules hold the experts and which of their tensors are per expert is the model's
-own data (its expert-parallel plan, ``model.ep_plan``); what is kept here is the rest:
-how the family's causal LM computes its router losses from ``output_router_logits``, so
-that gridtrain can make them the global batch's (``router_loss.py``). A family in the
-expert plan but not here still has its experts spread; its router loss, when asked for
-under data parallelism, is then each rank's own batch's (a warning says so).
+own data (its expert-parallel plan, ``model.ep_plan``); what a family's file in
+``gridtrain/hf/families/`` adds (``Family.moe``) is the rest: how the family's causal LM
+computes its router losses from ``output_router_logits``, so that gridtrain can make them
+the global batch's (``router_loss.py``). A family in the expert plan but not registered so
+still has its experts spread; its router loss, when asked for under data parallelism, is
+then each rank's own batch's (a warning says so).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from gridtrain.hf.families.registry import family_of as registered
 
 
 @dataclass(frozen=True)
@@ -27,27 +30,14 @@ class RouterLoss:
 @dataclass(frozen=True)
 class MoeFamily:
     """One family: its load-balancing loss (None: it computes none) and its router z-loss
-    (None for every family below: none of them computes one)."""
+    (None for every built-in family: none of them computes one)."""
 
     router_loss: RouterLoss | None
     z_loss: RouterLoss | None = None
     note: str = ""
 
 
-# model_type -> family; every entry checked against one process by tests/test_hf_moe_*.py
-FAMILIES: dict[str, MoeFamily] = {
-    "mixtral": MoeFamily(RouterLoss(), note="top-k softmax router, no shared expert"),
-    "qwen2_moe": MoeFamily(RouterLoss(), note="sigmoid-gated shared expert beside the experts"),
-    "qwen3_moe": MoeFamily(RouterLoss(), note="top-k softmax router, no shared expert"),
-    "gpt_oss": MoeFamily(
-        RouterLoss(), note="top-k router with a bias, biased experts, clamped SwiGLU"
-    ),
-    "deepseek_v3": MoeFamily(
-        None, note="grouped sigmoid routing with a bias, shared experts; no auxiliary loss"
-    ),
-}
-
-
 def family_of(model) -> MoeFamily | None:
-    """The entry for ``model``'s ``config.model_type``, or None."""
-    return FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    """What the family registry (``gridtrain/hf/families/``: ``Family.moe``) holds for
+    ``model``'s family, or None."""
+    return registered(model).moe

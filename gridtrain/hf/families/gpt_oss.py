@@ -1,0 +1,10 @@
+"""GPT-OSS (top-k router with a bias, biased experts, clamped SwiGLU): its experts are spread by
+its own expert plan; its causal LM adds the auxiliary loss of its modeling module's
+``load_balancing_loss_func``, which gridtrain makes the global batch's under data parallelism
+(``hf/moe/router_loss.py``)."""
+
+from gridtrain.hf.families.registry import Family, register_family
+from gridtrain.hf.moe.families import MoeFamily, RouterLoss
+
+NOTE = "top-k router with a bias, biased experts, clamped SwiGLU"
+FAMILY = register_family(Family("gpt_oss", moe=MoeFamily(RouterLoss(), note=NOTE), note="GPT-OSS"))
