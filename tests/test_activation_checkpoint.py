@@ -1,7 +1,10 @@
 """``activation_checkpoint``: each block keeps only its input for the backward and recomputes
 the rest, and training is unchanged (float64, exact up to summation order) in one process,
 under 1d tensor parallelism (the block's collectives run again in the backward), pipeline
-stages and compiled; ZeRO 3 (FSDP2's gathers outside the recomputed region): test_zero.py."""
+stages and compiled, and with an ``attention`` kernel preference (the recompute runs in the
+backward, outside the engine's forward context, and must pick the forward's SDPA kernel);
+ZeRO 3 (FSDP2's gathers outside the recomputed region): test_zero.py, Gemini:
+test_zero_offload.py."""
 
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import gridtrain as gt
 STEPS, BATCH, SEQ, VOCAB = 3, 8, 16, 64
 AC = dict(activation_checkpoint=True)
 LAYOUTS = {
-    "one process": (1, {}),
+    # the forward prefers math, torch's default order takes the CPU's flash kernel first: as
+    # cuDNN first (Hopper's default) against flash on a GPU, each saves other tensors
+    "one process math-sdpa": (1, dict(attention=dict(backends=["math"]))),
     "1d2": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d")))),
     "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=2)),
     "compiled": (1, dict(compile=dict(backend="aot_eager"))),

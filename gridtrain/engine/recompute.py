@@ -11,8 +11,11 @@ backward, as Megatron's do. The recompute must replay the forward exactly and le
 trace: torch's checkpoint restores the default generator; here the context's named RNG
 streams (sharded dropout, ring attention, the noisy MoE router) are rewound to where the
 forward found them and put back afterwards (Megatron's RNG tracker does the same),
-BatchNorm running statistics and MoE load records are not updated a second time, and
-under sequence parallelism SDPA is routed to ring attention as in the forward.
+BatchNorm running statistics and MoE load records are not updated a second time,
+under sequence parallelism SDPA is routed to ring attention as in the forward, and SDPA
+picks the forward's kernel (the ``attention`` preference, cuDNN first on Hopper by default,
+is the engine's forward context, gone in the backward; another kernel saves tensors of other
+shapes, which torch's checkpoint refuses).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gridtrain.engine.compile import find_blocks
+from gridtrain.engine.sdpa import replay_kernels
 from gridtrain.parallel.random import recompute_region
 from gridtrain.parallel.tensor.sequence import replay_route
 
@@ -67,13 +71,14 @@ def _checkpointed(block: nn.Module, rng):
     def run(*args: Any, **kwargs: Any) -> Any:
         saved = rng.state_dict() if rng is not None else None  # as the forward finds them
         route = replay_route()  # sequence: SDPA as ring attention, in the recompute too
-        calls = [0]
+        calls, kernels = [0], []
 
         def body(*a: Any, **k: Any) -> Any:  # checkpoint calls it for the forward, then
             calls[0] += 1  # again for the backward's recompute
-            if calls[0] == 1:
+            if calls[0] == 1:  # read here: checkpoint runs eagerly (dynamo-disabled)
+                kernels.append(replay_kernels())
                 return forward(*a, **k)
-            with _replay(rng, saved, buffers), route():
+            with _replay(rng, saved, buffers), route(), kernels[0]():
                 return forward(*a, **k)
 
         return checkpoint(body, *args, use_reentrant=False, **kwargs)

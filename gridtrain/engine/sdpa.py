@@ -5,16 +5,19 @@ math, with cuDNN last on most builds). On Hopper the cuDNN kernel is the fastest
 training-sized heads, so an unset ``attention`` puts it first there (``attention_for``);
 below compute capability 9.0 torch's own order already starts with its fastest kernel.
 The kernel is chosen in the forward and its backward follows, so the forward region is
-all that needs the context. Torch falls back along the list when a kernel cannot take an
-input.
+all that needs the context, except where the forward runs again in the backward
+(``activation_checkpoint``): there the engine's context is gone, so the recompute re-enters
+the preference the forward had (``replay_kernels``). Torch falls back along the list when a
+kernel cannot take an input.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
 
 from gridtrain.config.attention import HOPPER_ORDER, AttentionConfig
 
@@ -58,3 +61,16 @@ def sdpa_context(options) -> contextlib.AbstractContextManager:
     if not options:
         return contextlib.nullcontext()
     return sdpa_kernel([_BACKENDS[b] for b in options.backends], set_priority=True)
+
+
+def replay_kernels() -> Callable[[], contextlib.AbstractContextManager]:
+    """Called in a forward: a factory of SDPA's kernel preference now (the ``attention``
+    section, or a user's own ``sdpa_kernel``), for a recompute of that forward in the backward.
+
+    A recompute under torch's default order would pick another kernel (flash where the
+    forward ran cuDNN's, on Hopper by default), which saves other tensors for its backward
+    (cuDNN's log-sum-exp and RNG state differ from flash's in shape and dtype), and torch's
+    checkpoint refuses them. ``_cur_sdpa_kernel_backends`` is what ``sdpa_kernel`` itself
+    saves and restores."""
+    backends = _cur_sdpa_kernel_backends(with_priority=True)
+    return lambda: sdpa_kernel(backends, set_priority=True)
