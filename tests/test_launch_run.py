@@ -34,14 +34,25 @@ def gridtrain_command() -> list[str]:
 
 
 def start(
-    tmp_path: Path, body: str, config: str = "", *options: str, port: bool = True
+    tmp_path: Path,
+    body: str,
+    config: str = "",
+    *options: str,
+    port: bool = True,
+    prefork: str | None = None,
 ) -> subprocess.Popen:
     """Start `gridtrain run --nproc_per_node 2 [options] --config config.py job.py` in tmp_path
-    (with `--master_port` a free port unless ``port`` is False: then the launcher picks one)."""
+    (with `--master_port` a free port unless ``port`` is False: then the launcher picks one;
+    ``prefork``: GRIDTRAIN_PREFORK for the launcher, else unset: its default)."""
     (tmp_path / "config.py").write_text(config)
     (tmp_path / "job.py").write_text(PRELUDE + body)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop(CONFIG_ENV, None)
+    env.pop("GRIDTRAIN_PREFORK", None)
+    if prefork is not None:
+        env["GRIDTRAIN_PREFORK"] = prefork
+    if prefork is not None:
+        env.pop("OMP_NUM_THREADS")  # torchrun's own default (1 for 2 ranks) must reach them
     chosen = ["--master_port", str(free_port())] if port else []
     argv = ["run", "--nproc_per_node", "2", *chosen, *options]
     return subprocess.Popen(
@@ -318,3 +329,36 @@ def test_max_restarts_restarts_every_rank_and_the_job_succeeds(job_dir):
     assert "finished attempt 0" not in out, "rank 1 died before the first all-reduce"
     # rank 0 lost its peer: a planned restart, not an error to show
     assert "Traceback" not in out and "by peer" not in out, out
+
+
+# ---- forked workers -------------------------------------------------------------------------
+FINGERPRINT = """
+import multiprocessing
+ctx = gt.launch_from_torch(backend="gloo")
+seen = dict(
+    argv=sys.argv, file=__file__, name=__name__, path0=sys.path[0], cwd=os.getcwd(),
+    threads=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"),
+    process=multiprocessing.current_process().name, parent=multiprocessing.parent_process(),
+    session_leader=os.getsid(0) == os.getpid(), stdin_isatty=sys.stdin.isatty(),
+    unbuffered=sys.stdout.write_through, local_rank=os.environ["LOCAL_RANK"],
+)
+say(f"seen {sorted(seen.items())}")
+gt.destroy()
+raise SystemExit(4 if ctx.global_rank == 0 else 0)
+"""
+
+
+def test_a_forked_worker_sees_what_a_fresh_interpreter_sees(job_dir):
+    """README "gridtrain run": workers fork from a copy of the agent that imported torch once
+    (GRIDTRAIN_PREFORK=0: fresh interpreters, as torchrun starts them). The script must not
+    tell them apart: argv, __file__, sys.path[0], torch's thread count, its own session, the
+    exit code it chose."""
+    outs = {}
+    for prefork in ("1", "0"):
+        proc = start(job_dir, FINGERPRINT, prefork=prefork)
+        code, out = finish(proc)
+        assert code == 1, out  # rank 0's own exit code 4: the job failed
+        outs[prefork] = sorted(line for line in out.splitlines() if not line.startswith("W"))
+        assert sum(" seen " in line for line in outs[prefork]) == 2, out
+    assert outs["1"] == outs["0"], f"forked:\n{outs['1']}\nfresh:\n{outs['0']}"
+    assert "('omp', '1')" in outs["1"][0] and "('threads', 1)" in outs["1"][0], outs["1"]

@@ -6,8 +6,10 @@ with these changes.
   single-node job with a loopback ``--master_addr`` (what ``gridtrain run`` passes for a local
   run) this binds the store's socket to that address first and hands it to a multi-tenant
   TCPStore; torch's static rendezvous then finds that server for the port and uses it.
-- Every worker is started through ``procs.die_with_parent``: the workers live in sessions
-  of their own (torch's choice), so without it they would outlive an agent killed by SIGKILL.
+- Workers are forked from a server that imported torch and gridtrain once (``cli/prefork``),
+  not started as fresh interpreters; a command that cannot be forked is started through
+  ``procs.die_with_parent``: the workers live in sessions of their own (torch's choice), so
+  without it they would outlive an agent killed by SIGKILL.
 - A failed job ends with ``failures.summarize`` (the first error once, one line per
   other rank, the rank that never arrived in a hang) instead of torch's per-rank failure
   table; the worker processes' own bookkeeping goes in a temporary report directory. A
@@ -35,10 +37,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import api
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from gridtrain.cli import failures
+from gridtrain.cli import failures, prefork
 from gridtrain.cli.argv import after_separator
 from gridtrain.cli.procs import die_with_parent
 from gridtrain.cli.unresponsive import close_workers
@@ -71,21 +74,6 @@ def bind_store_to_loopback(args) -> bool:
         )
     )
     return True
-
-
-def _workers_die_with_agent(config_from_args):
-    """torchrun's ``config_from_args``, its worker command wrapped in ``die_with_parent``.
-
-    Wrapping the command torchrun derives (rather than rebuilding it) keeps every torchrun
-    option (``-m``, ``--no-python``, ``--run-path``) as torchrun means it."""
-
-    def wrapped(args):
-        config, cmd, cmd_args = config_from_args(args)
-        if isinstance(cmd, str):
-            cmd, *cmd_args = die_with_parent([cmd, *cmd_args], os.getpid())
-        return config, cmd, cmd_args
-
-    return wrapped
 
 
 def _stop_workers(shutdown):
@@ -125,19 +113,27 @@ def _torchrun_args(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    args = _torchrun_args(argv)
+    # torchrun's config before the rank server forks: it sets OMP_NUM_THREADS, which torch
+    # reads once, at import (torchrun.run calls it again, finding it set)
+    torchrun.config_from_args(args)
     report_dir = tempfile.mkdtemp(prefix="gridtrain-run-")
     os.environ[REPORT_DIR] = report_dir  # the workers inherit it
+    # the rank server forks now: before any thread (the store below starts some) and before
+    # the agent's own settings below, none of which its workers should inherit
+    forked = prefork.start_server(args.nproc_per_node)
     # its per-process failure and stop messages: the summary below says it once
     for name in ("torch.distributed.elastic.multiprocessing", f"{ChildFailedError.__module__}"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # errors' logger has its own level
-    torchrun.config_from_args = _workers_die_with_agent(torchrun.config_from_args)
+    api.get_subprocess_handler = prefork.handler_factory(
+        api.get_subprocess_handler, lambda cmd: die_with_parent(cmd, os.getpid()), forked
+    )
     LocalElasticAgent._shutdown = _stop_workers(LocalElasticAgent._shutdown)
     PContext.close = close_workers(PContext.close, Path(report_dir))
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         _DropDeathSignalNotice()
     )
     try:
-        args = _torchrun_args(argv)
         bind_store_to_loopback(args)
         torchrun.run(args)
     except ChildFailedError as err:
