@@ -1,6 +1,6 @@
 """A save killed with SIGKILL at a random moment leaves the previous checkpoint loadable.
 
-A subprocess saves the same path over and over (sharded: synchronous and asynchronous saves
+A process of its own saves the same path over and over (sharded: synchronous and asynchronous saves
 alternating, so directories are replaced while the old one is live; dense: a file); the test
 kills it at a random moment of a save, several times. Every time, the checkpoint at the path
 loads and holds the weights, and after the next save no temporary is left in the directory.
@@ -11,44 +11,37 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import forked
 from helpers.harness import free_port, run_distributed
 
 import gridtrain as gt
 
 TIMEOUT = 300
 TRIES = 4
-REPO = Path(__file__).resolve().parents[1]
 
-SAVER = textwrap.dedent(
-    """
-    import sys, time, torch
-    sys.path.insert(0, sys.argv[4])
-    import gridtrain as gt
-    from test_checkpoint_atomic import _model_and_opt
-    path, fmt, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def _save_forever(path: str, fmt: str, port: int, ready) -> None:
+    """The saver, a process of its own: one save, its duration to ``ready``, then the same path
+    saved over and over (sharded: synchronous and asynchronous saves alternating)."""
     gt.launch({}, 0, 1, "127.0.0.1", port, backend="gloo")
     model, opt = _model_and_opt(0)
     sharded = fmt != "dense"
     start = time.perf_counter()
     gt.save_checkpoint(path, 1, model, opt, sharded=sharded)
-    print("ready", time.perf_counter() - start, flush=True)
+    ready.send(time.perf_counter() - start)
     epoch = 1
     while True:
         epoch += 1
-        handle = gt.save_checkpoint(path, epoch, model, opt, sharded=sharded,
-                                 async_save=sharded and epoch % 2 == 0)
+        handle = gt.save_checkpoint(
+            path, epoch, model, opt, sharded=sharded, async_save=sharded and epoch % 2 == 0
+        )
         if handle is not None:
             handle.wait()
-    """
-)
 
 
 def _model_and_opt(seed: int):
@@ -84,19 +77,19 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, fmt)
     path = directory / ("ckpt" if fmt == "sharded" else "ckpt.pt")
     mid_save = 0
     for attempt in range(TRIES):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(path), fmt, str(free_port()), str(REPO / "tests")],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        # forked from the test pool's server (torch and gridtrain imported): a real process
+        ctx = forked.context()
+        ready, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_save_forever, args=(str(path), fmt, free_port(), send))
+        proc.start()
+        send.close()
         try:
-            line = proc.stdout.readline().split()
-            assert line and line[0] == "ready", line
+            assert ready.poll(TIMEOUT), "the saver never finished its first save"
             # a random moment in the second to fifth save
-            time.sleep(rng.uniform(1.0, 4.0) * float(line[1]))
+            time.sleep(rng.uniform(1.0, 4.0) * ready.recv())
         finally:
             os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.join()
         left = _hidden(directory)
         mid_save += bool(left)
         epoch, same = run_distributed(

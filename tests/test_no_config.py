@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
+from helpers import forked
 from test_launch_run import gridtrain_command
 
 from gridtrain.config import CONFIG_ENV
@@ -46,7 +46,12 @@ def _run(argv: list[str], cwd) -> str:
 
 
 def test_python_train_py_runs_one_process_with_the_defaults(train):
-    out = _run([sys.executable, "train.py"], train)
+    # `python train.py`, forked from the test pool's server (torch imported once)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(CONFIG_ENV, None)
+    proc = forked.run(["train.py"], train, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
     assert "rank 0 of 1 trained" in out, out
     assert out.count(DEFAULTS_NOTICE) == 1, out
 

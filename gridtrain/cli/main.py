@@ -51,7 +51,7 @@ def build_parser(commands: list[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"gridtrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in commands or COMMANDS:
+    for name in COMMANDS if commands is None else commands:
         importlib.import_module(COMMANDS[name]).add_parser(sub)
     return parser
 
@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     words = [a for a in argv if not a.startswith("-")]
-    parser = build_parser(words[:1] if words[:1] and words[0] in COMMANDS else None)
+    if words[:1] and words[0] in COMMANDS:
+        parser = build_parser(words[:1])
+    else:  # --version needs no sub-command (estimate and topo import torch)
+        parser = build_parser([] if "--version" in argv and not words else None)
     args = _parse(parser, argv)
     try:
         return args.handler(args)
