@@ -1,7 +1,8 @@
 """The conformance matrix on CUDA ranks of one GPU, with the speed defaults on.
 
 Every layout of ``tests/test_conformance.py`` (its ``LAYOUTS``, imported: dp, 1d, 2d,
-2.5d, 3d, sequence, pipeline, hybrid, ZeRO 1/2/3, Gemini), one process, and the Hugging
+2.5d, 3d, sequence, pipeline, hybrid, ZeRO 1/2/3, Gemini), one process, each block
+recomputed (one process, and Gemini), and the Hugging
 Face GPT-2 of ``tests/test_hf_parity.py`` in its 1d, 2d and pipeline layouts, each trained
 on CUDA ranks that share this GPU (``backend="staged"``: collectives through gloo on host
 copies) with the config's speed keys unset, so a CUDA run's defaults apply: blocks and
@@ -103,6 +104,12 @@ def _cells() -> dict:
     cells = {("lm", "one"): (1, {}, 1, 1, 1, 0.0)}
     for name, (world, config, k_params, k_state, dp) in LAYOUTS.items():
         cells["lm", name] = (world, config, k_params, k_state, dp, 0.0)
+    # each block recomputed in the backward: the recompute must take the forward's kernels
+    # (cuDNN attention first on Hopper), with and without Gemini
+    recompute = dict(activation_checkpoint=True)
+    cells["lm", "recompute"] = (1, recompute, 1, 1, 1, 0.0)
+    gemini = dict(zero=dict(stage=3, offload=True), **recompute)
+    cells["lm", "gemini-recompute"] = (2, gemini, 2, 2, 2, 0.0)
     for name in HF_NAMES:  # the HF test's share is a block weight's: 1/k of it
         world, config, share = HF_LAYOUTS[name]
         if name == "pp2":  # half the blocks a stage; both hold the tied embedding / head
