@@ -32,6 +32,8 @@ def adapter_for(model: nn.Module) -> ModelAdapter | None:
 def register_library_layers(model: nn.Module) -> None:
     """A plain PyTorch model may hold a library's layers (``transformers``' ``Conv1D``): that
     library's support hands them to the planner (``gridtrain.hf.layers``) on import."""
+    if not isinstance(model, nn.Module):  # the engine's argument check names it
+        return
     if any(type(m).__module__.startswith("transformers.") for m in model.modules()):
         import gridtrain.hf  # noqa: F401 - its import registers them
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from gridtrain.registry import Registry
+
 if TYPE_CHECKING:  # hf/moe imports this registry
     from gridtrain.hf.moe.families import MoeFamily
 
@@ -50,7 +52,7 @@ class Family:
     note: str = ""
 
 
-FAMILIES: dict[str, Family] = {}
+FAMILIES = Registry("family", "; pass replace=True to override it")  # model_type -> Family
 
 
 def register_family(family: Family, replace: bool = False) -> Family:
@@ -58,20 +60,13 @@ def register_family(family: Family, replace: bool = False) -> Family:
     not) is replaced only with ``replace=True``. Every rank registers it, before
     ``gt.initialize``."""
     _load_built_in()
-    known = FAMILIES.get(family.model_type)
-    if known is not None and known != family and not replace:
-        raise ValueError(
-            f"family {family.model_type!r} is already registered ({known.note or known}); "
-            "pass replace=True to override it"
-        )
-    FAMILIES[family.model_type] = family
-    return family
+    return FAMILIES.add(family.model_type, family, replace=replace)
 
 
 def unregister_family(model_type: str) -> None:
     """Forget the entry for ``model_type`` (a test's, or a built-in one to run without it)."""
     _load_built_in()
-    FAMILIES.pop(model_type, None)
+    FAMILIES.remove(model_type, keep_built_in=False)
 
 
 def family_of(model: nn.Module) -> Family:

@@ -16,31 +16,26 @@ from gridtrain.parallel.tensor.mode_2d.geometry import GEOMETRY_2D, GEOMETRY_2P5
 from gridtrain.parallel.tensor.mode_3d.geometry import GEOMETRY as MODE_3D
 from gridtrain.parallel.tensor.none.geometry import GEOMETRY as NO_MODE
 from gridtrain.parallel.tensor.sequence.geometry import GEOMETRY as SEQUENCE
+from gridtrain.registry import Registry
 
-GEOMETRIES: dict[str | None, ModeGeometry] = {}
+GEOMETRIES: Registry = Registry("tensor mode")  # name -> ModeGeometry
 
 
 def register_mode(geometry: ModeGeometry) -> ModeGeometry:
     """Make ``geometry.name`` a ``parallel.tensor.mode`` (its runtime half is imported by
     ``geometry.runtime`` on first use). A process registers a mode before it loads a config
     naming it; every rank of a run registers it."""
-    known = GEOMETRIES.get(geometry.name)
-    if known is not None and known != geometry:
-        raise ValueError(f"tensor mode {geometry.name!r} is already registered as {known!r}")
-    GEOMETRIES[geometry.name] = geometry
-    return geometry
+    return GEOMETRIES.add(geometry.name, geometry)
 
 
 def unregister_mode(name: str) -> None:
     """Forget a mode ``register_mode`` added (a test's or a plugin's, for a while)."""
-    if GEOMETRIES.get(name) in BUILT_IN:
-        raise ValueError(f"tensor mode {name!r} is built in")
-    GEOMETRIES.pop(name, None)
+    GEOMETRIES.remove(name)
 
 
 BUILT_IN = (NO_MODE, MODE_1D, GEOMETRY_2D, GEOMETRY_2P5D, MODE_3D, SEQUENCE)
 for _geometry in BUILT_IN:
-    register_mode(_geometry)
+    GEOMETRIES.add(_geometry.name, _geometry, built_in=True)
 
 
 def mode_names() -> tuple[str, ...]:

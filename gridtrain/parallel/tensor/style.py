@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gridtrain.registry import Registry
+
 # the kinds of layer the planner tells apart (``plan.kind_of``)
 LINEAR, EMBEDDING, NORM, DROPOUT, PATCH, OPAQUE, ATTENTION = (
     "linear",
@@ -166,25 +168,21 @@ BUILT_IN = (
     AUTO,
     REPLICATE,
 )
-_REGISTRY: dict[str, Style] = {s.name: s for s in BUILT_IN}
+_REGISTRY = Registry("style")  # name -> Style
+for _style in BUILT_IN:
+    _REGISTRY.add(_style.name, _style, built_in=True)
 _NONE = Style("", "no style", ())  # what an unknown name reads as: no fact holds
 
 
 def register_style(style: Style) -> Style:
     """Make ``style.name`` a style ``parallel.tensor.plan`` (and ``gt.nn.Linear(split=)``)
     accepts; every rank of a run registers it before it loads a config naming it."""
-    known = _REGISTRY.get(style.name)
-    if known is not None and known != style:
-        raise ValueError(f"style {style.name!r} is already registered as {known!r}")
-    _REGISTRY[style.name] = style
-    return style
+    return _REGISTRY.add(style.name, style)
 
 
 def unregister_style(name: str) -> None:
     """Forget a style ``register_style`` added (a test's or a plugin's, for a while)."""
-    if _REGISTRY.get(name) in BUILT_IN:
-        raise ValueError(f"style {name!r} is built in")
-    _REGISTRY.pop(name, None)
+    _REGISTRY.remove(name)
 
 
 def of(name: str | None) -> Style:
