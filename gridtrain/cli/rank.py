@@ -57,7 +57,7 @@ class Launch:
         os.chdir(self.cwd)
         os.environ.clear()
         os.environ.update(self.env)
-        _threads_from_env()
+        threads_from_env(os.environ)
         _stdio(self.stdout, self.stderr)
         return _run(self.argv)
 
@@ -75,10 +75,11 @@ def _forget_the_server() -> None:
     resource_tracker._resource_tracker._fd = None
 
 
-def _threads_from_env() -> None:
-    """torch read ``OMP_NUM_THREADS`` when the agent imported it, before torchrun set it for
-    the workers (1 for several per node, unless given): apply it as an import would have."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
+def threads_from_env(env) -> None:
+    """torch read ``OMP_NUM_THREADS`` when the process this one was forked from imported it
+    (the agent, before torchrun set it for the workers: 1 for several per node, unless
+    given): apply ``env``'s value as an import would have."""
+    value = env.get("OMP_NUM_THREADS", "")
     torch = sys.modules.get("torch")
     if torch is not None and value.isdigit() and int(value) > 0:
         torch.set_num_threads(int(value))

@@ -24,6 +24,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from gridtrain.cli.rank import threads_from_env
+
 _CTX = None
 # what the server imports once; every process forked from it (these runs, and the pool of
 # helpers.harness) starts with them loaded
@@ -52,7 +54,7 @@ def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    _threads_from(env)
+    threads_from_env(env)  # as a rank forked by gridtrain run does
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(target, fd)
@@ -79,15 +81,6 @@ def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _threads_from(env: dict[str, str]) -> None:
-    """Torch read ``OMP_NUM_THREADS`` when the server imported it: a run's own value takes
-    effect here, as it would in a fresh interpreter."""
-    if env.get("OMP_NUM_THREADS", "").isdigit():
-        import torch
-
-        torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
 
 
 def run(argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 240):
