@@ -15,6 +15,7 @@ takes effect in the child).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import runpy
@@ -51,6 +52,7 @@ def context():
 
 
 def _child(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    gc.freeze()  # the preloaded heap, as gridtrain run's forked ranks (cli/prefork)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
