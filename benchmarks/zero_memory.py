@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -238,8 +237,8 @@ def _run_rank(rank, world, port, mode, size, args, queue):
     elif mode == "gemini":
         config["zero"] = dict(stage=3, offload=True)
     backend = "gloo" if args.device == "cpu" else None
-    if args.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.device == "cpu":  # one thread a process, as torchrun gives each rank: threads
+        torch.set_num_threads(1)  # spinning on cores shared with other processes cost time
     ctx = gt.launch(config, rank, world, "127.0.0.1", port, backend=backend, local_rank=rank)
     cfg = gpt_config(*size, seq=args.seq_len, vocab=args.vocab)
     g = torch.Generator().manual_seed(rank)

@@ -90,7 +90,10 @@ def _fp32_model():
 def _train_fp32(ctx, batches):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with torch._inductor.config.patch(force_disable_caches=True):  # codegen runs every time
+    # compile_threads=1: inductor compiles in this process, not a pool of workers it starts
+    # (and imports torch in) for a couple of C++ files on a 2-core machine
+    patch = dict(force_disable_caches=True, compile_threads=1)  # codegen runs every time
+    with torch._inductor.config.patch(**patch):
         run = engine_run(ctx, _fp32_model, batches, _loss, _adamw)
     return run.losses, run.state, dict(torch._dynamo.utils.counters["stats"])
 
