@@ -4,6 +4,8 @@ weights of one process, under data, tensor and pipeline parallelism, while each 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers.harness import run_distributed
@@ -113,13 +115,22 @@ LAYOUTS = {
 }
 
 
+@functools.cache
+def _layout(name):
+    """Each rank's results of ``_train`` in layout ``name`` (one distributed call per layout,
+    shared by the tests that read it)."""
+    world, config, _ = LAYOUTS[name]
+    batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
+    return run_distributed(_train, world, batches, config=config, timeout=300)
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_zero_equals_one_process(name):
     world, config, clip = LAYOUTS[name]
     batches = token_batches(STEPS, BATCH, SEQ, VOCAB, seed=0)
     ref = _dense(batches, clip, tie=config.get("TIE", False))
     d_final = ref.state
-    results = run_distributed(_train, world, batches, config=config, timeout=300)
+    results = _layout(name)
     # float64: sharded sums only reorder additions (<= 1e-15 relative); AdamW divides by
     # sqrt(v) + 1e-8, so a 1e-16 gradient difference on a near-zero gradient can move a
     # weight by lr * 1e-16 / 1e-8 = 1e-10 per step; a wrong row is O(lr) = 1e-2
@@ -139,8 +150,9 @@ def test_zero_equals_one_process(name):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_rank_holds_a_quarter_of_the_optimizer_state(stage):
-    batches = token_batches(1, BATCH, SEQ, VOCAB, seed=0)
-    results = run_distributed(_train, 4, batches, config=dict(zero=stage), timeout=300)
+    # the dp4 run of that stage above (same config): a rank's rows are fixed at initialize,
+    # so its share after three steps is its share after one
+    results = _layout(f"dp4-stage{stage}")
     held = [r[2] for r in results]
     # AdamW keeps exp_avg and exp_avg_sq per element (its step counters are scalars);
     # every dim 0 of the model divides by 4, so the rows split exactly: the shares add up

@@ -3,6 +3,7 @@ and layouts (a stage 3 run on four ranks resumes on one process with no ZeRO).""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -30,20 +31,22 @@ def _steps(engine, ctx, batches):
     return [engine_step(engine, *data_rows(batch, ctx), ctx) for batch in batches]
 
 
-def _save_run(ctx, batches, out, sharded, dtype):
-    """Two steps, save (the given format, and dense as the reference), then a third step."""
+def _save_run(ctx, batches, out, formats, dtype):
+    """Two steps, save (each format a move loads: ``ckpt`` sharded, or dense; and dense as
+    the reference), then a third step."""
     engine = _engine(ctx, batches, dtype)
     _steps(engine, ctx, batches[:2])
-    gt.save_checkpoint(out / "ckpt", 2, engine.model, engine.optimizer, sharded=sharded)
+    for sharded in formats:
+        gt.save_checkpoint(out / _CKPT[sharded], 2, engine.model, engine.optimizer, sharded=sharded)
     gt.save_checkpoint(out / "saved.pt", 2, engine.model, engine.optimizer)
     _steps(engine, ctx, batches[2:])
     return gt.full_state_dict(engine.model)
 
 
-def _load_run(ctx, batches, out, dtype):
+def _load_run(ctx, batches, ckpt, out, dtype):
     """Load under another layout, save dense again, take the third step."""
     engine = _engine(ctx, batches, dtype)
-    epoch = gt.load_checkpoint(out / "ckpt", engine.model, engine.optimizer)
+    epoch = gt.load_checkpoint(ckpt, engine.model, engine.optimizer)
     gt.save_checkpoint(out / "reloaded.pt", epoch, engine.model, engine.optimizer)
     _steps(engine, ctx, batches[2:])
     return gt.full_state_dict(engine.model)
@@ -62,50 +65,77 @@ def _stored_elements(path) -> dict[str, tuple[int, int]]:
     }
 
 
-# name: (save world, save config, load world, load config, sharded format)
+# the checkpoint a move loads, by format (sharded: a DCP directory; dense: one file)
+_CKPT = {True: "ckpt", False: "ckpt.pt"}
+# name: (world, config) of a saving run
+SAVES = {
+    "stage3-dp4": (4, dict(zero=3)),
+    "stage1-dp4": (4, dict(zero=1)),
+    "stage2-dp2x1d2": (4, dict(parallel=TP2, zero=2)),
+    "stage3-offload-dp4": (4, dict(zero=dict(stage=3, offload=True))),
+    "fp16 stage2-dp4": (4, dict(fp16=FP16, zero=2)),
+    "fp16 stage3-dp2": (2, dict(fp16=FP16, zero=3)),
+}
+# name: (save, load world, load config, sharded format)
 MOVES = {
-    "stage3-dp4 -> one process (dcp)": (4, dict(zero=3), 1, {}, True),
-    "stage3-dp4 -> one process (dense)": (4, dict(zero=3), 1, {}, False),
-    "stage1-dp4 -> stage3-dp2 (dcp)": (4, dict(zero=1), 2, dict(zero=3), True),
-    "stage2-dp2x1d2 -> stage1-dp4 (dcp)": (4, dict(parallel=TP2, zero=2), 4, dict(zero=1), True),
-    "stage3-dp4 -> stage2-dp2x1d2 (dense)": (4, dict(zero=3), 4, dict(parallel=TP2, zero=2), False),
-    "stage3-offload-dp4 -> stage2-dp2 (dcp)": (
-        4,
-        dict(zero=dict(stage=3, offload=True)),
-        2,
-        dict(zero=2),
-        True,
-    ),  # noqa: E501
+    "stage3-dp4 -> one process (dcp)": ("stage3-dp4", 1, {}, True),
+    "stage3-dp4 -> one process (dense)": ("stage3-dp4", 1, {}, False),
+    "stage1-dp4 -> stage3-dp2 (dcp)": ("stage1-dp4", 2, dict(zero=3), True),
+    "stage2-dp2x1d2 -> stage1-dp4 (dcp)": ("stage2-dp2x1d2", 4, dict(zero=1), True),
+    "stage3-dp4 -> stage2-dp2x1d2 (dense)": ("stage3-dp4", 4, dict(parallel=TP2, zero=2), False),
+    "stage3-offload-dp4 -> stage2-dp2 (dcp)": ("stage3-offload-dp4", 2, dict(zero=2), True),
     "fp16 stage2-dp4 -> fp16 stage3-dp2 (dcp)": (
-        4,
-        dict(fp16=FP16, zero=2),
+        "fp16 stage2-dp4",
         2,
         dict(fp16=FP16, zero=3),
         True,
-    ),  # noqa: E501
-    "fp16 stage3-dp2 -> fp16 one process (dense)": (
-        2,
-        dict(fp16=FP16, zero=3),
-        1,
-        dict(fp16=FP16),
-        False,
-    ),  # noqa: E501
+    ),
+    "fp16 stage3-dp2 -> fp16 one process (dense)": ("fp16 stage3-dp2", 1, dict(fp16=FP16), False),
 }
 
 
+def _batches():
+    return token_batches(3, BATCH, SEQ, VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def saving(tmp_path_factory):
+    """``saving(name)``: the directory of that saving run's checkpoints, in every format a
+    move (or the rows test) reads, and its weights after the third step. One run per saving
+    layout, shared by the moves that load it (three moves load the same stage 3 run)."""
+
+    @functools.cache
+    def save(name):
+        world, config = SAVES[name]
+        formats = {sharded for s, _, _, sharded in MOVES.values() if s == name}
+        formats |= {True} if name in ROWS.values() else set()
+        out = tmp_path_factory.mktemp("save")
+        dtype = torch.float32 if "fp16" in config else torch.float64
+        after = run_distributed(
+            _save_run, world, _batches(), out, sorted(formats), dtype, config=config, timeout=300
+        )[0]
+        return out, after
+
+    return save
+
+
 @pytest.mark.parametrize("name", list(MOVES))
-def test_checkpoint_moves_between_stages_and_layouts(name, tmp_path):
-    save_world, save_cfg, load_world, load_cfg, sharded = MOVES[name]
-    batches = token_batches(3, BATCH, SEQ, VOCAB, seed=0)
-    fp16 = "fp16" in save_cfg
+def test_checkpoint_moves_between_stages_and_layouts(name, saving, tmp_path):
+    save_name, load_world, load_cfg, sharded = MOVES[name]
+    out, after_save = saving(save_name)
+    fp16 = "fp16" in SAVES[save_name][1]
     dtype = torch.float32 if fp16 else torch.float64
-    after_save = run_distributed(
-        _save_run, save_world, batches, tmp_path, sharded, dtype, config=save_cfg, timeout=300
-    )[0]
     after_load = run_distributed(
-        _load_run, load_world, batches, tmp_path, dtype, config=load_cfg, timeout=300
+        _load_run,
+        load_world,
+        _batches(),
+        out / _CKPT[sharded],
+        tmp_path,
+        dtype,
+        config=load_cfg,
+        timeout=300,
     )[0]
-    saved = torch.load(tmp_path / "saved.pt", weights_only=True)
+    saved = torch.load(out / "saved.pt", weights_only=True)
     reloaded = torch.load(tmp_path / "reloaded.pt", weights_only=True)
     # what was loaded is exactly what was saved: weights, every optimizer moment, groups
     for k, v in saved["model"].items():
@@ -126,26 +156,31 @@ def test_checkpoint_moves_between_stages_and_layouts(name, tmp_path):
         torch.testing.assert_close(after_load[k].double(), v.double(), rtol=rtol, atol=atol, msg=k)
 
 
-def _rows_once(ctx, batches, out):
-    engine = _engine(ctx, batches, torch.float64)
-    _steps(engine, ctx, batches[:1])
-    gt.save_checkpoint(out / "zero", 1, engine.model, engine.optimizer, sharded=True)
-
-
 def _plain_once(ctx, batches, out):
     engine = _engine(ctx, batches, torch.float64)
     _steps(engine, ctx, batches[:1])
     gt.save_checkpoint(out / "plain", 1, engine.model, engine.optimizer, sharded=True)
 
 
+# stage: the saving run whose sharded checkpoint the rows test reads (four ranks; the rows a
+# rank writes are fixed at initialize, so two steps before the save show what one does)
+ROWS = {1: "stage1-dp4", 3: "stage3-dp4"}
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """One process's sharded checkpoint (no ZeRO), shared by both stages."""
+    out = tmp_path_factory.mktemp("plain")
+    run_distributed(_plain_once, 1, _batches(), out, timeout=300)
+    return out / "plain"
+
+
 @pytest.mark.parametrize("stage", [1, 3])
-def test_sharded_checkpoint_holds_each_row_once(stage, tmp_path):
+def test_sharded_checkpoint_holds_each_row_once(stage, saving, plain):
     """Four ranks write their rows once: every tensor's chunks add up to it, no more, and the
     directory holds the tensors of one process's checkpoint."""
-    batches = token_batches(1, BATCH, SEQ, VOCAB, seed=0)
-    run_distributed(_rows_once, 4, batches, tmp_path, config=dict(zero=stage), timeout=300)
-    run_distributed(_plain_once, 1, batches, tmp_path, timeout=300)
-    zero, plain = _stored_elements(tmp_path / "zero"), _stored_elements(tmp_path / "plain")
+    out, _ = saving(ROWS[stage])
+    zero, plain = _stored_elements(out / _CKPT[True]), _stored_elements(plain)
     for fqn, (stored, dense) in zero.items():
         if not fqn.startswith("rng/"):
             assert stored == dense, (fqn, stored, dense)
