@@ -6,15 +6,14 @@ export (a tokenizer, a README, a subdirectory) survive a save. (A full disk:
 
 from __future__ import annotations
 
+import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import torch
+from helpers import forked
 from helpers.harness import run_distributed
 from test_hf_parity import tiny_model
 
@@ -23,14 +22,13 @@ import gridtrain.hf as gthf
 TIMEOUT = 300
 LOADS = 25
 KILLS = 4
-REPO = Path(__file__).resolve().parents[1]
 
-SAVER = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, sys.argv[2])
-    import gridtrain.hf as gthf
-    from test_hf_parity import tiny_model
+
+def _save_forever(directory: str, shard_size: str, ready) -> None:
+    """Save the tiny Llama again and again, every weight equal to the save's number; says
+    ``ready`` after the first. Run as a process of its own (forked from the test pool's
+    server, which has imported torch and gridtrain: a killed save is a real process's death,
+    without a fresh interpreter's imports for each of the ``KILLS``)."""
     model = tiny_model("llama")
     epoch = 0
     while True:
@@ -38,11 +36,22 @@ SAVER = textwrap.dedent(
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(epoch)
-        gthf.save_pretrained(model, sys.argv[1], max_shard_size="40KB")
+        gthf.save_pretrained(model, directory, max_shard_size=shard_size)
         if epoch == 1:
-            print("ready", flush=True)
-    """
-)
+            ready.send(True)
+            ready.close()
+
+
+def _start_saver(directory: Path, shard_size: str):
+    ctx = forked.context()
+    ready, send = ctx.Pipe(duplex=False)
+    saver = ctx.Process(target=_save_forever, args=(str(directory), shard_size, send))
+    saver.start()
+    send.close()
+    if not ready.poll(TIMEOUT):
+        saver.kill()
+        raise AssertionError("the saver never finished its first save")
+    return saver
 
 
 def _values(model: torch.nn.Module) -> list[float]:
@@ -55,21 +64,10 @@ def test_a_save_killed_partway_leaves_the_previous_export_whole(tmp_path):
     directory = tmp_path / "export"
     rng = random.Random(0)
     for _ in range(KILLS):
-        saver = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SAVER.replace("40KB", "8KB"),
-                str(directory),
-                str(REPO / "tests"),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert saver.stdout.readline().strip() == "ready"
+        saver = _start_saver(directory, "8KB")
         time.sleep(rng.uniform(0.05, 0.6))  # somewhere inside a save of many small files
-        saver.send_signal(signal.SIGKILL)
-        saver.wait()
+        os.kill(saver.pid, signal.SIGKILL)
+        saver.join()
         model = tiny_model("llama")
         gthf.load_pretrained(model, directory)
         values = _values(model)
@@ -89,19 +87,14 @@ def _reader(ctx, directory: str, loads: int):
 
 def test_a_load_during_overwrites_reads_one_export(tmp_path):
     directory = tmp_path / "export"
-    saver = subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(directory), str(REPO / "tests")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    saver = _start_saver(directory, "40KB")
     try:
-        assert saver.stdout.readline().strip() == "ready"
         time.sleep(0.2)
         per_rank = run_distributed(_reader, 2, str(directory), LOADS, timeout=TIMEOUT)
-        assert saver.poll() is None, "the saver kept saving throughout"
+        assert saver.is_alive(), "the saver kept saving throughout"
     finally:
         saver.kill()
-        saver.wait()
+        saver.join()
     assert per_rank[0] == per_rank[1], "every rank read the same export"
     for values in per_rank[0]:
         assert len(values) == 1, f"a mix of exports: {values[:5]}"

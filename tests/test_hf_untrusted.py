@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import forked
 from test_hf_parity import tiny_model
 
 import gridtrain.hf as gthf
@@ -66,15 +65,17 @@ print("ERROR " + " || ".join(str(_load(Path(d))) for d in sys.argv[2:]), flush=T
 def _load_apart(*directories: Path, timeout: float = 120.0) -> str:
     """``_load`` of each directory in one process of its own (errors joined by `` || ``): a
     FIFO's open blocks inside safetensors holding the GIL, so only a process can be stopped
-    when it hangs."""
+    when it hangs. The process is forked from the test pool's server (torch and gridtrain
+    imported once, ``helpers.forked``): a real process, without a fresh interpreter's imports."""
+    script = directories[0].parent / "load_apart.py"
+    script.write_text(LOAD)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", LOAD, str(Path(__file__).parent), *map(str, directories)],
-            capture_output=True,
-            text=True,
+        proc = forked.run(
+            [str(script), str(Path(__file__).parent), *map(str, directories)],
+            cwd=script.parent,
             timeout=timeout,
         )
-    except subprocess.TimeoutExpired:
+    except TimeoutError:
         raise AssertionError(f"load_pretrained blocked for {timeout:g} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ERROR ")]
     assert lines, proc.stdout + proc.stderr
