@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
@@ -29,10 +30,10 @@ AC = dict(activation_checkpoint=True)
 LAYOUTS = {
     # the forward prefers math, torch's default order takes the CPU's flash kernel first: as
     # cuDNN first (Hopper's default) against flash on a GPU, each saves other tensors
-    "one process math-sdpa": (1, dict(attention=dict(backends=["math"]))),
-    "1d2": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d")))),
-    "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=2)),
-    "compiled": (1, dict(compile=dict(backend="aot_eager"))),
+    "one process math-sdpa": layout("one process", attention=dict(backends=["math"])),
+    "1d2": layout("1d2"),
+    "pp2": layout("pp2", num_microbatches=2),
+    "compiled": layout("one process", compile=dict(backend="aot_eager")),
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from helpers.models import adamw_halving, classifier_net
 from helpers.runs import Ints, Normal, batches, data_rows, engine_step, reference_run, start_engine
 from torch.distributed.checkpoint import FileSystemReader
@@ -68,11 +69,8 @@ def load_and_continue(ctx, path, data):
 
 
 LAYOUTS = {
-    "3d-8": (8, dict(parallel=dict(tensor=dict(size=8, mode="3d")))),
-    "1d2-x-pp2": (
-        4,
-        dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=2),
-    ),
+    "3d-8": layout("3d8"),
+    "1d2-x-pp2": layout("1d2-pp2", num_microbatches=2),
     "one-process": (1, None),
 }
 

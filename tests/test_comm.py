@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 
 import gridtrain as gt
 from gridtrain.parallel import comm
@@ -230,9 +231,9 @@ def _run_all(ctx, modes):
 
 LAYOUTS = [
     # world 2: the whole world, and groups of one (no tensor parallelism: TENSOR = [r])
-    (2, {}, [PM.GLOBAL, PM.TENSOR]),
+    (*layout("dp2"), [PM.GLOBAL, PM.TENSOR]),
     # world 4: the whole world, contiguous pairs [0,1],[2,3] and strided pairs [0,2],[1,3]
-    (4, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), [PM.GLOBAL, PM.TENSOR, PM.DATA]),
+    (*layout("dp2-1d2"), [PM.GLOBAL, PM.TENSOR, PM.DATA]),
 ]
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 
 import gridtrain as gt
 from gridtrain.parallel.topology import build_groups
@@ -11,16 +12,11 @@ from gridtrain.parallel.topology import build_groups
 PM = gt.ParallelMode
 
 LAYOUTS = [
-    (1, {}),
-    (2, dict(parallel=dict(tensor=dict(size=2, mode="1d")))),
-    (2, dict(parallel=dict(pipeline=2))),
-    (4, dict(parallel=dict(tensor=dict(size=4, mode="2d")))),
-    (4, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="sequence")))),
-    (4, dict(parallel=dict(tensor=dict(size=1)), moe=dict(expert_parallel_size=2))),
-    (8, dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2)))),
-    (8, dict(parallel=dict(tensor=dict(size=8, mode="3d")))),
-    (8, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")))),
-    (8, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="sequence")))),
+    layout(name)
+    for name in (
+        *("one process", "1d2", "pp2", "2d4", "sequence2-pp2", "ep2-dp4", "2.5d8", "3d8"),
+        *("dp2-1d2-pp2", "dp2-sequence2-pp2"),
+    )
 ]
 
 

@@ -53,10 +53,10 @@ CASES = {
     ),
     "a router style gridtrain does not implement": (
         "mixtral",
-        {"router_style": "local_router"},
+        {"ep_styles": {"model.layers.*.mlp.gate": "local_router"}},
         2,
         dict(moe=dict(expert_parallel_size=2)),
-        ["'model.layers.*.mlp.gate'", "'local_router'", "ep_router"],
+        ["'model.layers.*.mlp.gate'", "'local_router'", "ep_router", "moe_tp_experts"],
     ),
     "experts do not divide": (
         "qwen3_moe",

@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers.harness import run_distributed
 from helpers.hf_moe import adamw, dense_moe_loss, expert_keys, moe_batches, moe_loss, tiny_moe
+from helpers.layouts import layout
 from helpers.runs import data_rows, engine_step, global_loss, shares
 
 import gridtrain as gt
@@ -119,13 +120,9 @@ def _load(ctx, directories: dict[str, str]):
 
 
 LAYOUTS = {
-    "ep2": (2, dict(moe=dict(expert_parallel_size=2)), 2),
-    "ep1": (1, dict(moe=dict(expert_parallel_size=1)), 1),
-    "1d2-ep2": (
-        4,
-        dict(moe=dict(expert_parallel_size=2), parallel=dict(tensor=dict(size=2, mode="1d"))),
-        2,
-    ),
+    "ep2": (*layout("ep2-dp2"), 2),
+    "ep1": (*layout("ep1"), 1),
+    "1d2-ep2": (*layout("ep2-dp4-1d2"), 2),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from helpers.models import TinyTransformer
 from helpers.runs import (
     dense_lm_loss,
@@ -56,18 +57,13 @@ class GtLM(nn.Module):
 MODELS = {"plain": lambda: TinyTransformer(vocab=VOCAB, seq=SEQ), "gt.nn": GtLM}
 # name: (world, config, model, share of blocks.1's output projection each rank holds)
 LAYOUTS = {
-    "1d2": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), "plain", 1 / 2),
-    "1d2-gt.nn": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), "gt.nn", 1 / 2),
-    "2d4": (4, dict(parallel=dict(tensor=dict(size=4, mode="2d"))), "plain", 1 / 4),
-    "2.5d8": (8, dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2))), "gt.nn", 1 / 4),
-    "3d8": (8, dict(parallel=dict(tensor=dict(size=8, mode="3d"))), "plain", 1 / 8),
-    "sequence2": (2, dict(parallel=dict(tensor=dict(size=2, mode="sequence"))), "gt.nn", 1.0),
-    "1d2-pp2": (
-        4,
-        dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=2),
-        "plain",
-        1 / 2,
-    ),
+    "1d2": (*layout("1d2"), "plain", 1 / 2),
+    "1d2-gt.nn": (*layout("1d2"), "gt.nn", 1 / 2),
+    "2d4": (*layout("2d4"), "plain", 1 / 4),
+    "2.5d8": (*layout("2.5d8"), "gt.nn", 1 / 4),
+    "3d8": (*layout("3d8"), "plain", 1 / 8),
+    "sequence2": (*layout("sequence2"), "gt.nn", 1.0),
+    "1d2-pp2": (*layout("1d2-pp2", num_microbatches=2), "plain", 1 / 2),
     "dp2-chunked_loss": (2, dict(chunked_loss=dict(chunk_tokens=32)), "plain", 1.0),
     "dp2-1d2-zero2": (
         4,

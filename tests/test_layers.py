@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers.harness import run_distributed
 from helpers.layer_parity import layer_parity, randn
+from helpers.layouts import tensor_of
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -113,11 +114,11 @@ CASES["3d"] = [_at_orientation_0(c) for c in CASES["grid"]] + [
 ]  # fmt: skip
 
 LAYOUTS = {
-    "1d-2": (2, dict(size=2, mode="1d"), "1d"),
-    "1d-4": (4, dict(size=4, mode="1d"), "1d"),
-    "2d-4": (4, dict(size=4, mode="2d"), "grid"),
-    "2.5d-8": (8, dict(size=8, mode="2.5d", depth=2), "grid"),
-    "3d-8": (8, dict(size=8, mode="3d"), "3d"),
+    "1d-2": (2, tensor_of("1d2"), "1d"),
+    "1d-4": (4, tensor_of("1d4"), "1d"),
+    "2d-4": (4, tensor_of("2d4"), "grid"),
+    "2.5d-8": (8, tensor_of("2.5d8"), "grid"),
+    "3d-8": (8, tensor_of("3d8"), "3d"),
 }
 
 

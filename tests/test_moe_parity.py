@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout, pick
 from helpers.runs import Ints, Normal, batches, data_rows, engine_run, engine_step, local_numel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,17 +116,9 @@ def _train(ctx, state, data, cfg=CFG):
 
 
 LAYOUTS = {
-    "ep2-dp2": (2, dict(moe=dict(expert_parallel_size=2))),
-    "ep4-dp4": (4, dict(moe=dict(expert_parallel_size=4))),
-    "ep2-dp4": (4, dict(moe=dict(expert_parallel_size=2))),  # EXPERT_DATA of 2 ranks
-    "ep2-dp4-handler": (
-        4,
-        dict(moe=dict(expert_parallel_size=2), gradient_handler=[dict(type="MoeGradientHandler")]),
-    ),
-    "ep2-dp2-tp1d2": (
-        4,
-        dict(moe=dict(expert_parallel_size=2), parallel=dict(tensor=dict(size=2, mode="1d"))),
-    ),
+    **pick("ep2-dp2", "ep4-dp4", "ep2-dp4"),  # ep2-dp4: EXPERT_DATA of 2 ranks
+    "ep2-dp4-handler": layout("ep2-dp4", gradient_handler=[dict(type="MoeGradientHandler")]),
+    "ep2-dp2-tp1d2": layout("ep2-dp4-1d2"),
 }
 _REF_CACHE = {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout, pick
 
 import gridtrain as gt
 from gridtrain.parallel.pipeline.p2p import PipelineP2P, input_grads
@@ -155,11 +156,10 @@ def _views_train(ctx, batches):
 
 
 VIEW_LAYOUTS = {
-    "pp2": (2, dict(parallel=dict(pipeline=2))),
-    "dp2-pp2": (4, dict(parallel=dict(pipeline=2))),
-    "tp2-pp2": (4, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")))),
-    "interleaved": (2, dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)))),
-    "seq2-pp2": (4, dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="sequence")))),
+    **pick("pp2", "dp2-pp2"),
+    "tp2-pp2": layout("1d2-pp2"),
+    "interleaved": layout("pp2-interleaved"),
+    "seq2-pp2": layout("sequence2-pp2"),
 }
 
 

@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout, pick
 from helpers.models import LMLoss, tied_lm, two_groups
 from helpers.runs import (
     Ints,
@@ -102,13 +103,11 @@ def _train_pipeline(ctx, data, lazy: bool = False):
 
 
 LAYOUTS = {
-    "pp2-1f1b": (2, dict(parallel=dict(pipeline=2))),
-    "pp4-1f1b": (4, dict(parallel=dict(pipeline=4))),
-    "pp2-interleaved": (2, dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)))),
-    "pp4-interleaved": (4, dict(parallel=dict(pipeline=dict(size=4, num_chunks=2)))),
+    "pp2-1f1b": layout("pp2"),
+    "pp4-1f1b": layout("pp4"),
+    **pick("pp2-interleaved", "pp4-interleaved"),
     "pp4-params-partition": (4, dict(parallel=dict(pipeline=dict(size=4, partition="parameters")))),
-    "dp2-pp2": (4, dict(parallel=dict(pipeline=2))),
-    "dp2-pp2-interleaved": (4, dict(parallel=dict(pipeline=dict(size=2, num_chunks=2)))),
+    **pick("dp2-pp2", "dp2-pp2-interleaved"),
     "pp2-fixed-shape": (2, dict(parallel=dict(pipeline=dict(size=2, tensor_shape=(1, 3, 8))))),
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from helpers.models import adamw_halving, classifier_net
 from helpers.runs import engine_step, start_engine
 from torch.utils.data import TensorDataset
@@ -20,7 +21,7 @@ import gridtrain as gt
 
 TIMEOUT = 300
 D_IN, N_CLASSES, SAMPLES, BATCH, STEPS, STOP = 16, 8, 24, 4, 8, 4
-LAYOUTS = {"dp2": {}, "1d2": dict(parallel=dict(tensor=dict(size=2, mode="1d")))}
+LAYOUTS = {name: layout(name)[1] for name in ("dp2", "1d2")}  # both on 2 ranks
 
 
 def _forever(loader):

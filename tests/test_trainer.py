@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from torch.utils.data import TensorDataset
 
 import gridtrain as gt
@@ -142,8 +143,7 @@ def _reference():
     )
 
 
-PIPELINE = dict(parallel=dict(pipeline=2), num_microbatches=2)
-LAYOUTS = [(1, {}), (2, {}), (4, PIPELINE)]  # one process, data parallel, dp 2 x pipeline 2
+LAYOUTS = [layout("one process"), layout("dp2"), layout("dp2-pp2", num_microbatches=2)]
 
 
 @pytest.mark.parametrize("world,config", LAYOUTS, ids=["w1", "dp2", "dp2-pp2"])

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.layer_parity import cut, max_err, randn
+from helpers.layouts import tensor_of
 
 import gridtrain as gt
 from gridtrain.parallel.tensor.registry import split_batch
@@ -64,11 +65,11 @@ def _run(ctx):
 
 
 LAYOUTS = {
-    "1d-2": (2, dict(size=2, mode="1d")),
-    "1d-4": (4, dict(size=4, mode="1d")),
-    "2d-4": (4, dict(size=4, mode="2d")),
-    "2.5d-8": (8, dict(size=8, mode="2.5d", depth=2)),
-    "3d-8": (8, dict(size=8, mode="3d")),
+    "1d-2": (2, tensor_of("1d2")),
+    "1d-4": (4, tensor_of("1d4")),
+    "2d-4": (4, tensor_of("2d4")),
+    "2.5d-8": (8, tensor_of("2.5d8")),
+    "3d-8": (8, tensor_of("3d8")),
 }
 
 

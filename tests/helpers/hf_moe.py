@@ -83,10 +83,10 @@ def tiny_config(family: str, **kw):
     return cfg
 
 
-def tiny_moe(family: str, dtype=torch.float32, router_style: str | None = None, **kw):
+def tiny_moe(family: str, dtype=torch.float32, ep_styles: dict | None = None, **kw):
     """The seeded tiny model (the same weights on every rank); ``kw`` set on its config.
-    ``router_style``: the style its expert-parallel plan gives the routers (as some
-    transformers releases' plans do)."""
+    ``ep_styles``: {pattern: style} replacing entries of its expert-parallel plan (as other
+    transformers releases write them)."""
     kw.setdefault("output_router_logits", True)
     import transformers as tf
 
@@ -98,8 +98,8 @@ def tiny_moe(family: str, dtype=torch.float32, router_style: str | None = None, 
             for name, p in model.named_parameters():
                 if ".experts." in name and name.endswith("_bias"):
                     p.normal_(0.0, 0.02)
-        if router_style is not None:
-            model._ep_plan = {**model._ep_plan, "model.layers.*.mlp.gate": router_style}
+        if ep_styles is not None:
+            model._ep_plan = {**model._ep_plan, **ep_styles}
         return model
 
     return seeded(build, seed=0, dtype=dtype)

@@ -45,12 +45,15 @@ from gridtrain.parallel.moe.router import topk_assignment
 from gridtrain.parallel.tags import set_dp_mode, set_shard_spec
 from gridtrain.parallel.tensor.plan import PlanError, pattern_matches
 
-EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
-# Some transformers releases (5.17) also name the router "ep_router": there it limits the
-# router's choices to one rank's experts. Here the router stays whole on every rank and the
+EP_TENSOR = "grouped_gemm"
+# The experts module's style. transformers 5.17's plans name it "moe_tp_experts" and the
+# router "ep_router": there the router keeps one rank's experts' choices and the experts'
+# outputs are summed over the ranks. Here the router stays whole on every rank and the
 # experts module sends each token to the rank holding its expert, which is the plain model's
-# routing, so that style asks for nothing more.
+# routing, so those styles ask for nothing more.
+EP_MODULES = ("ep_dispatch_experts", "moe_tp_experts")
 EP_ROUTER = "ep_router"
+EP_STYLES = (*EP_MODULES, EP_TENSOR, EP_ROUTER)
 # the experts' forward arguments (hidden states [T, d], each token's k experts [T, k] and
 # their weights [T, k]) under the names the families give them
 FORWARD_ARGS = (
@@ -84,13 +87,12 @@ def expert_modules(model: nn.Module) -> dict[str, list[str]]:
     are refused by name."""
     plan = dict(getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None) or {})
     for pattern, style in plan.items():
-        if style not in (EP_MODULE, EP_TENSOR, EP_ROUTER):
+        if style not in EP_STYLES:
             raise PlanError(
                 f"{type(model).__name__}'s expert-parallel plan gives '{pattern}' the style "
-                f"{style!r}, which gridtrain does not implement "
-                f"({EP_MODULE}, {EP_TENSOR}, {EP_ROUTER})"
+                f"{style!r}, which gridtrain does not implement ({', '.join(EP_STYLES)})"
             )
-    spread = [p for p, s in plan.items() if s == EP_MODULE]
+    spread = [p for p, s in plan.items() if s in EP_MODULES]
     tensors = [p for p, s in plan.items() if s == EP_TENSOR]
     found: dict[str, list[str]] = {}
     for name, _ in model.named_modules():
