@@ -367,6 +367,19 @@ def reduce_(x: Tensor, dst: int, group: Group) -> Tensor:
 all_gather_raw = _all_gather
 
 
+def all_gather_flat(x: Tensor, group: Group) -> Tensor:
+    """Every rank's 1-D ``x`` (equal lengths), stacked: ``(world, numel)``. One collective
+    for many tensors flattened into ``x`` (the dense-state gathers)."""
+    n = world(group)
+    if n == 1:
+        return x.view(1, -1)
+    x = x.contiguous()
+    out = torch.empty((n, x.numel()), dtype=x.dtype, device=x.device)
+    _count("all_gather", x, n - 1)
+    all_gather_single(out.view(-1), x, group=group)
+    return out
+
+
 def all_reduce_async(x: Tensor, group: Group, op=dist.ReduceOp.SUM):
     """Start an in-place all-reduce of contiguous ``x``; returns the work handle (None on a group of one).
 

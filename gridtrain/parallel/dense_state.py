@@ -25,8 +25,10 @@ tensor-parallel shard, a DTensor, or this rank's rows tagged with
 ``rows.set_zero_rows``; ``set_master`` where the optimizer steps a separate copy;
 and by treating writes into them (a load) as new weights before the next forward.
 
-Whole-model calls are loops over the per-tensor ones (``dense_value``, ``load_local``), which
-a streaming writer or reader (``gridtrain.hf``'s safetensors) calls one tensor at a time;
+Whole-model calls gather all tensors at once (``dense_values``: ``dense_batch`` takes one
+collective per group and step, not one per tensor) and load them with the per-tensor
+``load_local``; a streaming writer or reader (``gridtrain.hf``'s safetensors) calls the
+per-tensor ones (``dense_value``, ``load_local``) one tensor at a time;
 ``held_rows`` / ``load_rows`` let a reader fetch only the rows a rank keeps.
 """
 
@@ -38,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.context import ParallelContext, get_context
+from gridtrain.parallel.dense_batch import dense_tensors, dtensor_full
 from gridtrain.parallel.mode import ParallelMode
 from gridtrain.parallel.rows import (
     ZeroRows,
@@ -70,17 +73,7 @@ def full_local(t: Tensor, ctx: ParallelContext, rows: ZeroRows | None = None) ->
     over the data-parallel group when it holds rows). ``rows``: the tag of the parameter
     ``t`` is shaped like, for optimizer state (default: ``t``'s own)."""
     if isinstance(t, DTensor):
-        mine = t.to_local()
-        if mine.device != ctx.device:  # offloaded shards: collectives run on the device
-            t = DTensor.from_local(
-                mine.to(ctx.device),
-                t.device_mesh,
-                t.placements,
-                run_check=False,
-                shape=t.shape,
-                stride=t.stride(),
-            )
-        return t.full_tensor()
+        return dtensor_full(t, ctx)
     rows = rows if rows is not None else get_zero_rows(t)
     return t if rows is None else gather_rows(t, rows, ctx)
 
@@ -152,6 +145,17 @@ def dense_value(t: Tensor, ctx: ParallelContext) -> Tensor:
     return dense.to(dense_dtype(t))
 
 
+def dense_values(tensors: list[Tensor], ctx: ParallelContext) -> list[Tensor]:
+    """``dense_value`` of each model tensor, with one collective per group and step for all
+    of them (``dense_batch``). Collective: every rank passes its model's tensors in order."""
+    sources = [t if get_master(t) is None else get_master(t) for t in tensors]
+    items = [
+        (s, get_shard_spec(t), get_zero_rows(s)) for s, t in zip(sources, tensors, strict=True)
+    ]
+    dense = dense_tensors(items, ctx)
+    return [d.to(dense_dtype(t)) for d, t in zip(dense, tensors, strict=True)]
+
+
 def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dict[str, Tensor]:
     """The model's state as plain CPU tensors with the dense model's keys and shapes.
 
@@ -160,7 +164,9 @@ def full_state_dict(model: nn.Module, ctx: ParallelContext | None = None) -> dic
     fp16 the fp32 master weights. Collective: call on every rank.
     """
     ctx = ctx or get_context()
-    local = {key: dense_value(t, ctx) for key, t in dense_items(model)}
+    items = list(dense_items(model))
+    values = dense_values([t for _, t in items], ctx)
+    local = {key: value for (key, _), value in zip(items, values, strict=True)}
     return merge_stages(local, ctx)
 
 
@@ -223,6 +229,7 @@ __all__ = [
     "dense_dtype",
     "dense_tensor",
     "dense_value",
+    "dense_values",
     "full_local",
     "full_state_dict",
     "get_master",

@@ -23,9 +23,8 @@ from gridtrain.engine.checkpoint.state import (
     optimizer_params,
 )
 from gridtrain.parallel.context import ParallelContext
+from gridtrain.parallel.dense_batch import dense_tensors
 from gridtrain.parallel.dense_state import (
-    dense_tensor,
-    full_local,
     full_state_dict,
     held_like,
     load_full_state_dict,
@@ -39,22 +38,27 @@ FORMAT = 1
 
 
 def dense_optimizer_state(optimizer, model: nn.Module, ctx: ParallelContext) -> dict[str, Any]:
-    """Collective: the optimizer's state with dense tensors, keyed by dense parameter name."""
+    """Collective: the optimizer's state with dense tensors, keyed by dense parameter name.
+    Every state tensor is gathered in one batch (``dense_tensors``: a collective per group
+    and step, not per tensor)."""
     state: dict[str, dict[str, Any]] = {}
     group_of: dict[str, int] = {}
+    places, items = [], []  # where each gathered tensor goes, and what it gathers
     for _, index, p, model_param, name in optimizer_params(optimizer, model):
         group_of[name] = index
         entry = {}
         for key, value in inner(optimizer).state.get(p, {}).items():
             if isinstance(value, Tensor):
-                if is_moment(value, p):  # held as its parameter is: ZeRO rows, TP shards
-                    spec = get_shard_spec(model_param)
-                    value = dense_tensor(value, spec, ctx, get_zero_rows(p))
-                else:
-                    value = full_local(value, ctx).detach().cpu().clone()
+                # a moment is held as its parameter is (ZeRO rows, TP shards); else whole
+                moment = is_moment(value, p)
+                spec = get_shard_spec(model_param) if moment else ()
+                places.append((entry, key))
+                items.append((value, spec, get_zero_rows(p) if moment else get_zero_rows(value)))
             entry[key] = value
         if entry:
             state[name] = entry
+    for (entry, key), value in zip(places, dense_tensors(items, ctx), strict=True):
+        entry[key] = value
     state, group_of = merge_stages(state, ctx), merge_stages(group_of, ctx)
     return {"state": state, "group_of": group_of, "param_groups": hyperparameters(optimizer)}
 
