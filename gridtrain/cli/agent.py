@@ -83,10 +83,12 @@ def _stop_workers(shutdown):
     every rank prints a KeyboardInterrupt traceback; SIGTERM ends it at once, and quietly
     (its stack goes to the report directory)."""
 
-    def wrapped(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    # only what the caller gave goes on: torch 2.11's _shutdown takes no timeout (every job's
+    # end raised TypeError there, exit 1), later ones do
+    def wrapped(self, death_sig: signal.Signals = signal.SIGTERM, *args, **kwargs) -> None:
         if death_sig == signal.SIGINT:
             death_sig = signal.SIGTERM
-        return shutdown(self, death_sig, timeout)
+        return shutdown(self, death_sig, *args, **kwargs)
 
     return wrapped
 

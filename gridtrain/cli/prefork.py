@@ -20,7 +20,8 @@ A worker starts as a fresh interpreter, through ``procs.die_with_parent``, when 
 change what it sees: ``GRIDTRAIN_PREFORK=0``; a command that is not ``python -u`` of this
 interpreter (``--no-python``, ``PYTHON_EXEC``, numa binding); ``--nproc_per_node`` not a number
 (torchrun then asks CUDA for the device count, and a process forked after that cannot use CUDA);
-CUDA initialised or a second Python thread running in the agent at the fork; the agent's environment
+a machine with CUDA (forked workers could not use it on torch 2.11); a second Python thread
+running in the agent at the fork; the agent's environment
 changed since the fork (torch reads some variables, ``OMP_NUM_THREADS`` among them, at import).
 """
 
@@ -61,6 +62,13 @@ def start_server(nproc_per_node) -> bool:
     if sys.platform != "linux" or os.environ.get(PREFORK_ENV, "1") == "0":
         return False
     if not str(nproc_per_node).isdigit() or torch.cuda.is_initialized():
+        return False
+    # A CUDA machine: on an H100 with torch 2.11 every forked worker failed its first CUDA
+    # call ("Cannot re-initialize CUDA in forked subprocess": a device query in the launcher
+    # had already made fork unsafe). Workers there start as fresh interpreters; the query
+    # here is harmless, as nothing forks after it.
+    if torch.cuda.is_available():
+        logger.debug("gridtrain run: a CUDA machine; workers start as fresh interpreters")
         return False
     for name in PRELOAD:
         importlib.import_module(name)
