@@ -248,11 +248,15 @@ class StageLayers:
     def states(self, shards: TensorShards, sc: Scenario) -> ModelStates:
         """The model states of a rank of this stage (``states.model_states``), cached: the
         search asks for the same stage under many layouts."""
-        key = (id(shards), self.embed, self.blocks, self.head, sc.zero_group, sc.expert_group,
-               sc.expert_parallel, sc.pipeline > 1, sc.rules)  # fmt: skip
+        where = (id(shards), self.embed, self.blocks, self.head, sc.zero_group, sc.expert_group,
+                 sc.expert_parallel, sc.pipeline > 1)  # fmt: skip
+        key = (*where, sc.rules.states_key())
         hit = _STATES.get(key)
         if hit is None or hit[0] is not shards:
-            hit = _STATES[key] = (shards, model_states(self.param_list(shards, sc), sc.rules))
+            params = _PARAMS.get(where)  # the same under every ZeRO stage and micro-batch
+            if params is None or params[0] is not shards:
+                params = _PARAMS[where] = (shards, self.param_list(shards, sc))
+            hit = _STATES[key] = (shards, model_states(params[1], sc.rules))
         return hit[1]
 
     def param_list(self, shards: TensorShards, sc: Scenario) -> list[Param]:
@@ -262,6 +266,7 @@ class StageLayers:
         tied_here = bool(shards.head.tied) and self.embed and self.head
         shared = bool(shards.head.tied) and sc.pipeline > 1 and not tied_here
         out: list[Param] = []
+        zero_group, expert_group = sc.zero_group, sc.expert_group
 
         def add(layer: LayerShards, unit: int, block: bool, skip=frozenset()) -> None:
             for key, shape in layer.local.items():
@@ -271,7 +276,7 @@ class StageLayers:
                 if expert:  # the skeleton holds every expert; a rank holds 1/ep of them
                     shape = (shape[0] // sc.expert_parallel, *shape[1:])
                 out.append(Param(
-                    shape, sc.expert_group if expert else sc.zero_group,
+                    shape, expert_group if expert else zero_group,
                     unit=0 if tied_here and not block else unit, block=block,
                     shared=shared and key in ("embed.tok.weight", "head.classifier.weight"),
                 ))  # fmt: skip
@@ -321,3 +326,4 @@ def _stages(spec: ModelSpec, pipeline: int, chunks: int, method: str) -> tuple[S
 
 
 _STATES: dict[tuple, tuple] = {}  # keeps the shards alive, so their id stays theirs
+_PARAMS: dict[tuple, tuple] = {}  # (shards, StageLayers.param_list), likewise

@@ -31,6 +31,7 @@ a group owns exactly that, later ones may own fewer rows but hold the same padde
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -62,11 +63,11 @@ class Param:
     block: bool = False  # in a repeated block (Gemini's units: one per block, the rest the root)
     shared: bool = False  # tied across pipeline stages: reduced only at the step
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return self.numel // self.shape[0] if self.shape else 1
 
@@ -107,6 +108,12 @@ class Rules:
     def between_backwards(self) -> str:
         """What a rank keeps of its gradients between two backwards (``memory_rules``)."""
         return gradients_between_backwards(self.zero, self.offload, self.keep_unsharded_grads)
+
+    def states_key(self) -> Rules:
+        """These rules as ``model_states`` reads them: only Gemini's transfers count the
+        backwards; the other stages ask only whether there are several (a cache key: the
+        search meets the same states under many micro-batch counts)."""
+        return self if self.gemini else dataclasses.replace(self, backwards=min(self.backwards, 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +187,10 @@ class _Bucket:
     n: int
     deferred: bool
 
-    @property
+    @functools.cached_property
     def segment(self) -> int:
-        """Elements of one rank's segment: each member's padded chunk."""
+        """Elements of one rank's segment: each member's padded chunk (cached: the peak
+        walk reads it once per bucket pair)."""
         return sum(p.chunk() for p in self.members)
 
     def grads(self, w: int) -> float:
