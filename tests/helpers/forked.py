@@ -29,15 +29,11 @@ from gridtrain.cli.rank import threads_from_env
 
 _CTX = None
 # what the server imports once; every process forked from it (these runs, and the pool of
-# helpers.harness) starts with them loaded. transformers' model code (3-5 s of CPU, torchao's
-# import within it) is here too: every pool worker of the suite runs Hugging Face tests, and
-# the tests' forked savers, loaders and demo launchers (whose ranks gridtrain run forks from
-# them) would each import it again. A test about what a fresh interpreter imports runs one.
-PRELOAD = [
-    *("torch", "torch.distributed", "gridtrain", "gridtrain.engine", "gridtrain.cli.main"),
-    *("gridtrain.hf", "transformers.modeling_utils", "transformers.models.auto.modeling_auto"),
-    *("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"),
-]
+# helpers.harness) starts with them loaded. Not transformers' model code (3-5 s of CPU): with
+# it the server started 6 s later and every forked `gridtrain run` took 1.5-4 s longer
+# (measured alternating on the loaded 2-core machine), more than the few forked Hugging Face
+# processes gain; pool workers import it once each.
+PRELOAD = ["torch", "torch.distributed", "gridtrain", "gridtrain.engine", "gridtrain.cli.main"]
 
 
 @dataclass
