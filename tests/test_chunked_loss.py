@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import tensor_of
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
@@ -25,9 +26,9 @@ STEPS, BATCH, SEQ, VOCAB = 2, 8, 16, 64
 CHUNK = dict(chunked_loss=dict(chunk_tokens=32))  # 128 tokens per batch: 4 chunks
 LAYOUTS = {
     "one process": (1, {}),
-    "1d2 vocab-split": (2, dict(tensor=dict(size=2, mode="1d", plan={"head": "vocab_parallel"}))),
-    "2d4": (4, dict(tensor=dict(size=4, mode="2d"))),
-    "3d8": (8, dict(tensor=dict(size=8, mode="3d"))),
+    "1d2 vocab-split": (2, dict(tensor=dict(tensor_of("1d2"), plan={"head": "vocab_parallel"}))),
+    "2d4": (4, dict(tensor=tensor_of("2d4"))),
+    "3d8": (8, dict(tensor=tensor_of("3d8"))),
 }
 
 

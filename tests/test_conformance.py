@@ -29,6 +29,7 @@ import pytest
 import torch
 from helpers import tiny_lm
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from helpers.runs import (
     data_rows,
     engine_step,
@@ -45,29 +46,22 @@ STEPS, SAVE_AT = 4, 2  # the layout trains SAVE_AT steps and saves; resumes run 
 VARIANTS = ("dataloader", "example_inputs", "neither")
 FORMATS = {"dense": False, "sharded": True}
 TIMEOUT = 240
-TP = lambda size, mode, **kw: dict(parallel=dict(tensor=dict(size=size, mode=mode, **kw)))  # noqa: E731
 
 # name: (world size, config, k for parameters, k for AdamW state, data-parallel size):
 # each rank holds about 1/k of the dense parameters and of the dense state
 LAYOUTS = {
-    "dp2": (2, {}, 1, 1, 2),
-    "1d2": (2, TP(2, "1d"), 2, 2, 1),
-    "2d4": (4, TP(4, "2d"), 4, 4, 1),
-    "2.5d8": (8, TP(8, "2.5d", depth=2), 4, 4, 1),  # weights over q x q, replicated over depth
-    "3d8": (8, TP(8, "3d"), 8, 8, 1),
-    "sequence2": (2, TP(2, "sequence"), 1, 1, 1),  # weights replicated, sequence split
-    "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=2), 2, 2, 1),
-    "dp2x1d2xpp2": (
-        8,
-        dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=2),
-        4,
-        4,
-        2,
-    ),
-    "zero1": (2, dict(zero=dict(stage=1)), 1, 2, 2),
-    "zero2": (2, dict(zero=dict(stage=2)), 1, 2, 2),
-    "zero3": (2, dict(zero=dict(stage=3)), 2, 2, 2),
-    "gemini": (2, dict(zero=dict(stage=3, offload=True)), 2, 2, 2),
+    "dp2": (*layout("dp2"), 1, 1, 2),
+    "1d2": (*layout("1d2"), 2, 2, 1),
+    "2d4": (*layout("2d4"), 4, 4, 1),
+    "2.5d8": (*layout("2.5d8"), 4, 4, 1),  # weights over q x q, replicated over depth
+    "3d8": (*layout("3d8"), 8, 8, 1),
+    "sequence2": (*layout("sequence2"), 1, 1, 1),  # weights replicated, sequence split
+    "pp2": (*layout("pp2", num_microbatches=2), 2, 2, 1),
+    "dp2x1d2xpp2": (*layout("dp2-1d2-pp2", num_microbatches=2), 4, 4, 2),
+    "zero1": (*layout("dp2", zero=dict(stage=1)), 1, 2, 2),
+    "zero2": (*layout("dp2", zero=dict(stage=2)), 1, 2, 2),
+    "zero3": (*layout("dp2", zero=dict(stage=3)), 2, 2, 2),
+    "gemini": (*layout("dp2", zero=dict(stage=3, offload=True)), 2, 2, 2),
 }
 # Norms and biases: 448 of the 8,640 parameter elements. A layout may replicate them
 # (1d's row-parallel biases, norms), so a share may exceed 1/k by up to that fraction.

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import tensor_of
 from helpers.runs import assert_grads_close, engine_run, reference_run, token_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,11 +172,11 @@ def test_gt_nn_layers_are_plain_modules():
 
 # name: (world, tensor config, global batch, the share of h0.mlp.fc.weight each rank holds)
 LAYOUTS = {
-    "1d2": (2, dict(size=2, mode="1d"), 4, 1 / 2),
-    "1d4": (4, dict(size=4, mode="1d"), 4, 1 / 4),
-    "2d": (4, dict(size=4, mode="2d"), 8, 1 / 4),  # a 2 x 2 grid of blocks
-    "2.5d": (8, dict(size=8, mode="2.5d", depth=2), 8, 1 / 4),
-    "3d": (8, dict(size=8, mode="3d"), 8, 1 / 8),  # a 2 x 2 x 2 cube
+    "1d2": (2, tensor_of("1d2"), 4, 1 / 2),
+    "1d4": (4, tensor_of("1d4"), 4, 1 / 4),
+    "2d": (4, tensor_of("2d4"), 8, 1 / 4),  # a 2 x 2 grid of blocks
+    "2.5d": (8, tensor_of("2.5d8"), 8, 1 / 4),
+    "3d": (8, tensor_of("3d8"), 8, 1 / 8),  # a 2 x 2 x 2 cube
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout, tensor_of
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
@@ -34,25 +35,15 @@ PLAN_1D = {  # the Megatron pairs, given explicitly (HF tp_plan patterns)
 }
 # name: (world, config, model kwargs, expected share of a sharded 2-D weight)
 LAYOUTS = {
-    "1d2-plan": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d", plan=PLAN_1D))), {}, 1 / 2),
-    "1d2-traced": (2, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), {}, 1 / 2),
-    "1d2-traced-tied": (
-        2,
-        dict(parallel=dict(tensor=dict(size=2, mode="1d"))),
-        {"tie": True},
-        1 / 2,
-    ),
-    "dp2-1d2": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d"))), {}, 1 / 2),
-    "2d4-tied": (4, dict(parallel=dict(tensor=dict(size=4, mode="2d"))), {"tie": True}, 1 / 4),
-    "2.5d8-depth2": (8, dict(parallel=dict(tensor=dict(size=8, mode="2.5d", depth=2))), {}, 1 / 4),
-    "3d8-tied": (8, dict(parallel=dict(tensor=dict(size=8, mode="3d"))), {"tie": True}, 1 / 8),
-    "pp2": (2, dict(parallel=dict(pipeline=2), num_microbatches=4), {}, 1.0),
-    "dp2-1d2-pp2": (
-        8,
-        dict(parallel=dict(pipeline=2, tensor=dict(size=2, mode="1d")), num_microbatches=2),
-        {},
-        1 / 2,
-    ),
+    "1d2-plan": (2, dict(parallel=dict(tensor=dict(tensor_of("1d2"), plan=PLAN_1D))), {}, 1 / 2),
+    "1d2-traced": (*layout("1d2"), {}, 1 / 2),
+    "1d2-traced-tied": (*layout("1d2"), {"tie": True}, 1 / 2),
+    "dp2-1d2": (*layout("dp2-1d2"), {}, 1 / 2),
+    "2d4-tied": (*layout("2d4"), {"tie": True}, 1 / 4),
+    "2.5d8-depth2": (*layout("2.5d8"), {}, 1 / 4),
+    "3d8-tied": (*layout("3d8"), {"tie": True}, 1 / 8),
+    "pp2": (*layout("pp2", num_microbatches=4), {}, 1.0),
+    "dp2-1d2-pp2": (*layout("dp2-1d2-pp2", num_microbatches=2), {}, 1 / 2),
 }
 
 

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import layout
 from helpers.models import TinyTransformer
 from helpers.runs import (
     data_rows,
@@ -82,26 +83,22 @@ def _inject_inf_in_last_row(model):
 
 # name: (world, config, dense clip); float64 throughout
 LAYOUTS = {
-    "dp4-stage1": (4, dict(zero=dict(stage=1)), 0.0),
-    "dp4-stage2": (4, dict(zero=dict(stage=2)), 0.0),
-    "dp4-stage3": (4, dict(zero=dict(stage=3)), 0.0),
-    "dp4-stage3-offload": (4, dict(zero=dict(stage=3, offload=True)), 0.0),
+    "dp4-stage1": (*layout("dp4", zero=dict(stage=1)), 0.0),
+    "dp4-stage2": (*layout("dp4", zero=dict(stage=2)), 0.0),
+    "dp4-stage3": (*layout("dp4", zero=dict(stage=3)), 0.0),
+    "dp4-stage3-offload": (*layout("dp4", zero=dict(stage=3, offload=True)), 0.0),
     # blocks compiled (test_compile.py): FSDP2's gathers stay hooks outside the graphs
     "dp2-stage3-compiled": (2, dict(zero=3, compile=dict(backend="aot_eager")), 0.0),
     # each block recomputed in the backward (test_activation_checkpoint.py): FSDP2 gathers
     # the block for its backward, and the recompute runs inside that
     "dp2-stage3-recompute": (2, dict(zero=3, activation_checkpoint=True), 0.0),
-    "dp2-1d2-stage2": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=2), 0.0),
-    "1d2-stage1 (a data group of one)": (
-        2,
-        dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=1),
-        0.0,
-    ),
-    "dp2-2d4-stage2": (8, dict(parallel=dict(tensor=dict(size=4, mode="2d")), zero=2), 0.0),
-    "dp2-1d2-stage3": (4, dict(parallel=dict(tensor=dict(size=2, mode="1d")), zero=3), 0.0),
-    "dp2-pp2-stage1": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=1), 0.0),
-    "dp2-pp2-stage2": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=2), 0.0),
-    "dp2-pp2-stage3": (4, dict(parallel=dict(pipeline=2), num_microbatches=2, zero=3), 0.0),
+    "dp2-1d2-stage2": (*layout("dp2-1d2", zero=2), 0.0),
+    "1d2-stage1 (a data group of one)": (*layout("1d2", zero=1), 0.0),
+    "dp2-2d4-stage2": (*layout("dp2-2d4", zero=2), 0.0),
+    "dp2-1d2-stage3": (*layout("dp2-1d2", zero=3), 0.0),
+    "dp2-pp2-stage1": (*layout("dp2-pp2", num_microbatches=2, zero=1), 0.0),
+    "dp2-pp2-stage2": (*layout("dp2-pp2", num_microbatches=2, zero=2), 0.0),
+    "dp2-pp2-stage3": (*layout("dp2-pp2", num_microbatches=2, zero=3), 0.0),
     # the tied embedding and head live on two stages: their bucket waits for the handler
     "dp2-pp2-tied-stage2": (
         4,

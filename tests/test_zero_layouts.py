@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import run_distributed
+from helpers.layouts import tensor_of
 from helpers.runs import data_rows, engine_run, state_numel, token_batches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,12 +40,12 @@ def _train(ctx, batches):
 
 # name: (world, tensor config, zero stage)
 LAYOUTS = {
-    "dp2-2d4-stage3": (8, dict(size=4, mode="2d"), 3),
-    "dp2-2.5d4-stage3": (8, dict(size=4, mode="2.5d", depth=1), 3),
-    "2.5d8-depth2-stage2": (8, dict(size=8, mode="2.5d", depth=2), 2),
-    "3d8-stage3": (8, dict(size=8, mode="3d"), 3),
-    "dp2-sequence2-stage2": (4, dict(size=2, mode="sequence"), 2),
-    "dp2-sequence2-stage3": (4, dict(size=2, mode="sequence"), 3),
+    "dp2-2d4-stage3": (8, tensor_of("dp2-2d4"), 3),
+    "dp2-2.5d4-stage3": (8, tensor_of("dp2-2.5d4"), 3),
+    "2.5d8-depth2-stage2": (8, tensor_of("2.5d8"), 2),
+    "3d8-stage3": (8, tensor_of("3d8"), 3),
+    "dp2-sequence2-stage2": (4, tensor_of("dp2-sequence2"), 2),
+    "dp2-sequence2-stage3": (4, tensor_of("dp2-sequence2"), 3),
 }
 
 

@@ -42,7 +42,11 @@ CATALOGUE: dict[str, tuple[int, dict]] = {
     "1d2": (2, tp(2, "1d")),
     "1d4": (4, tp(4, "1d")),
     "dp2-1d2": (4, tp(2, "1d")),
+    "dp2-2d4": (8, tp(4, "2d")),
+    "dp2-2.5d4": (8, tp(4, "2.5d", depth=1)),
+    "dp2-sequence2": (4, tp(2, "sequence")),
     "2d4": (4, tp(4, "2d")),
+    "2.5d4": (4, tp(4, "2.5d", depth=1)),  # a 2 x 2 grid, depth 1
     "2.5d8": (8, tp(8, "2.5d", depth=2)),  # a 2 x 2 grid, replicated over depth 2
     "3d8": (8, tp(8, "3d")),
     "sequence2": (2, tp(2, "sequence")),
