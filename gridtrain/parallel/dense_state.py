@@ -49,7 +49,7 @@ from gridtrain.parallel.rows import (
     owned_like,
     owned_range,
 )
-from gridtrain.parallel.sharding import dense_items, dense_shape, full_tensor, shard_tensor
+from gridtrain.parallel.sharding import dense_items, dense_shape, shard_tensor
 from gridtrain.parallel.tags import ShardSpec, get_shard_spec
 
 _MASTER = "_gt_master"
@@ -84,7 +84,7 @@ def dense_tensor(
     """The dense tensor of which ``t`` holds this rank's part (a detached CPU copy).
     Collective over the groups of ``spec`` and ``t``'s ZeRO group."""
     rows = rows if rows is not None else get_zero_rows(t)  # a tag: read before detach
-    return full_tensor(full_local(t.detach(), ctx, rows), spec, ctx).cpu().clone()
+    return dense_tensors([(t, spec, rows)], ctx)[0]
 
 
 def held_like(full: Tensor, like: Tensor, ctx: ParallelContext, rows: ZeroRows | None = None):
@@ -140,9 +140,7 @@ def dense_dtype(t: Tensor) -> torch.dtype:
 def dense_value(t: Tensor, ctx: ParallelContext) -> Tensor:
     """The dense value of the model tensor ``t`` (its master's where it has one), as a CPU
     tensor of ``dense_dtype(t)``. Collective over ``t``'s tensor-parallel and ZeRO groups."""
-    master = get_master(t)
-    dense = dense_tensor(t if master is None else master, get_shard_spec(t), ctx)
-    return dense.to(dense_dtype(t))
+    return dense_values([t], ctx)[0]
 
 
 def dense_values(tensors: list[Tensor], ctx: ParallelContext) -> list[Tensor]:
