@@ -16,7 +16,8 @@ an operator inductor cannot lower) runs eagerly instead, with one warning naming
 error the eager forward raises as well (a shape mismatch, a bad argument) is the user's and
 is raised as eager raises it. torch lowers a backward graph at its first backward, after
 the forward returned: a failure there is raised, not caught (the forward that recorded it
-has run compiled).
+has run compiled). Under autocast, a torch whose AOTAutograd cache ignores the autocast dtype
+compiles without that cache (``compile_cache.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gridtrain.engine.compile_cache import autocast_safe_cache
 from gridtrain.parallel.pipeline.model_stage import StandIn
 
 logger = logging.getLogger("gridtrain")
@@ -73,7 +75,8 @@ class GuardedCompile:
             return self.eager(*args, **kwargs)
         start = time.perf_counter()
         try:
-            out = self.compiled(*args, **kwargs)
+            with autocast_safe_cache():  # torch < 2.12 could load another precision's graph
+                out = self.compiled(*args, **kwargs)
         except _compile_errors() as err:
             out = self.eager(*args, **kwargs)  # a user's error raises here, as eager does
             self.compiled = None
