@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from rank_procs import START, rank_context  # the sibling module (benchmarks/ is sys.path[0])
+from rank_procs import rank_context  # the sibling module (benchmarks/ is sys.path[0])
 from torch import nn
 
 PRESETS = {
@@ -200,7 +200,7 @@ def run(ranks: list[int], preset: dict, out_dir: str) -> list[dict]:
         for fmt in FORMATS:
             results = ctx.SimpleQueue()
             args = (world, _free_port(), fmt, preset, out_dir, results)
-            mp.start_processes(_rank, args=args, nprocs=world, start_method=START)
+            mp.start_processes(_rank, args=args, nprocs=world, start_method=ctx.get_start_method())
             rows.append(results.get())
     return rows
 

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gridtrain as gt  # noqa: E402
 import gridtrain.nn as gnn  # noqa: E402
-from benchmarks.rank_procs import START, rank_context  # noqa: E402
+from benchmarks.rank_procs import rank_context  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
 from gridtrain.parallel.tensor.parallelize import apply_plan, build_plan  # noqa: E402
 
@@ -168,7 +168,9 @@ def run_layout(mode, world, depth, sizes, dtype, steps):
     ctx = rank_context()
     queue = ctx.SimpleQueue()
     args = (world, _free_port(), mode, depth, sizes, dtype, steps, queue)
-    procs = mp.start_processes(_worker, args=args, nprocs=world, start_method=START, join=False)
+    procs = mp.start_processes(
+        _worker, args=args, nprocs=world, start_method=ctx.get_start_method(), join=False
+    )
     per_rank, done = {}, False
     while not done:
         done = procs.join(timeout=1)  # raises (with the rank's traceback) if a rank failed

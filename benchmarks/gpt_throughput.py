@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gridtrain as gt  # noqa: E402
-from benchmarks.rank_procs import START, rank_context  # noqa: E402
+from benchmarks.rank_procs import rank_context  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.amp import AMP_TYPE  # noqa: E402
 
@@ -313,7 +313,10 @@ def tensor_parallel(args, preset: str, tp: int) -> float:
     mp = rank_context()
     queue = mp.SimpleQueue()
     torch.multiprocessing.start_processes(
-        _tp_worker, args=(tp, free_port(), args, preset, queue), nprocs=tp, start_method=START
+        _tp_worker,
+        args=(tp, free_port(), args, preset, queue),
+        nprocs=tp,
+        start_method=mp.get_start_method(),
     )
     return queue.get()
 

@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gridtrain as gt  # noqa: E402
-from benchmarks.rank_procs import START, rank_context  # noqa: E402
+from benchmarks.rank_procs import rank_context  # noqa: E402
 from demos.gpt import model as gpt_model  # noqa: E402
 from gridtrain.amp import AMP_TYPE  # noqa: E402
 from gridtrain.parallel import comm  # noqa: E402
@@ -131,7 +131,7 @@ def memory_table(ranks: list[int], preset: dict, batch: int) -> list[dict]:
                 _memory_rank,
                 args=(n, free_port(), stage, preset, batch, queue),
                 nprocs=n,
-                start_method=START,
+                start_method=spawn.get_start_method(),
             )
             rows.append(queue.get())
     return rows
@@ -266,7 +266,7 @@ def measure(mode: str, size, args) -> dict:
         _run_rank,
         args=(args.world, free_port(), mode, size, args, queue),
         nprocs=args.world,
-        start_method=START,
+        start_method=spawn.get_start_method(),
     )
     return queue.get()
 

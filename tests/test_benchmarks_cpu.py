@@ -178,7 +178,8 @@ CASES = {
     ),
     "gpt_throughput": (
         ["benchmarks/gpt_throughput.py", "--device", "cpu", "--tp", "2"]
-        + ["--steps", "2", "--warmup", "1", "--rounds", "2"],
+        # one round of one step per loop: the table's rows and ratios need no more
+        + ["--steps", "1", "--warmup", "0", "--rounds", "1"],
         check_gpt,
     ),
     "hf_throughput": (
@@ -202,7 +203,7 @@ CASES = {
     "zero_memory_throughput": (
         ["benchmarks/zero_memory.py", "throughput", "--device", "cpu", "--vocab", "512"]
         + ["--batch-size", "1", "--seq-len", "16"]
-        + ["--steps", "2", "--warmup", "1", "--rounds", "1", "--passes", "1"],
+        + ["--steps", "1", "--warmup", "0", "--rounds", "1", "--passes", "1"],  # rows, not speed
         check_zero_throughput,
     ),
     "offload_quick": (["benchmarks/offload.py", "--quick"], check_offload),
