@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from gridtrain.parallel.tensor.cuts import Cut, CutTracker
+from gridtrain.parallel.tensor.meta_memo import MetaMemo
 
 # how a tracked layer's output relates to its input's sources; OPAQUE layers (already
 # parallel: collectives, data-dependent routing) are not run on meta: their output is
@@ -206,6 +207,7 @@ def run_on_meta(
     args, kwargs = _as_call(_to_meta(example))
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(MetaMemo())  # first: below every other mode (meta_memo.py)
             stack.enter_context(_no_grad_meta())
             for mode in modes:
                 stack.enter_context(mode)
