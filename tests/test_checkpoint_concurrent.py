@@ -1,35 +1,28 @@
 """A reader that loads a checkpoint while another process overwrites it gets the old save or the
 new one: never a mix of the two, never an error, and every rank the same one.
 
-A subprocess saves the same path over and over, each save with every weight equal to its
+A separate process saves the same path over and over, each save with every weight equal to its
 epoch; two ranks load it again and again meanwhile.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import forked
 from helpers.harness import free_port, run_distributed
 
 import gridtrain as gt
 
 TIMEOUT = 300
 LOADS = 40
-REPO = Path(__file__).resolve().parents[1]
 
-SAVER = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, sys.argv[4])
-    import gridtrain as gt
-    from test_checkpoint_concurrent import _model
-    path, sharded, port = sys.argv[1], sys.argv[2] == "sharded", int(sys.argv[3])
+
+def _saver(path: str, sharded: bool, port: int, ready) -> None:
+    """The saving process: one rank of its own, saving ``path`` until it is killed; ``ready``
+    is set after the first save."""
     gt.launch({}, 0, 1, "127.0.0.1", port, backend="gloo")
     model = _model()
     epoch = 0
@@ -40,9 +33,7 @@ SAVER = textwrap.dedent(
                 p.fill_(epoch)
         gt.save_checkpoint(path, epoch, model, sharded=sharded)
         if epoch == 1:
-            print("ready", flush=True)
-    """
-)
+            ready.set()
 
 
 def _model() -> torch.nn.Module:
@@ -62,19 +53,19 @@ def _reader(ctx, path: str, loads: int):
 @pytest.mark.parametrize("fmt", ["sharded", "dense"])
 def test_a_load_during_overwrites_gets_one_whole_save(tmp_path, fmt):
     path = tmp_path / ("ckpt" if fmt == "sharded" else "ckpt.pt")
-    saver = subprocess.Popen(
-        [sys.executable, "-c", SAVER, str(path), fmt, str(free_port()), str(REPO / "tests")],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # a separate process forked from the harness's server (torch and gridtrain imported once)
+    ctx = forked.context()
+    ready = ctx.Event()
+    saver = ctx.Process(target=_saver, args=(str(path), fmt == "sharded", free_port(), ready))
+    saver.start()
     try:
-        assert saver.stdout.readline().strip() == "ready"
+        assert ready.wait(TIMEOUT), "the saver's first save"
         time.sleep(0.2)
         per_rank = run_distributed(_reader, 2, str(path), LOADS, timeout=TIMEOUT)
-        assert saver.poll() is None, "the saver kept saving throughout"
+        assert saver.is_alive(), "the saver kept saving throughout"
     finally:
         saver.kill()
-        saver.wait()
+        saver.join()
     epochs = [[e for e, _ in seen] for seen in per_rank]
     assert epochs[0] == epochs[1], "every rank loaded the same save"
     assert len(set(epochs[0])) > 1, "control: the loads really overlapped saves"

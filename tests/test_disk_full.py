@@ -23,9 +23,12 @@ SCRIPT = textwrap.dedent(
     import os, socket, sys
     import torch, torch.multiprocessing as mp
     sys.path.insert(0, sys.argv[2])
+    # imported once here, before the ranks fork (spawned ranks imported them again, each)
+    import gridtrain as gt
+    import gridtrain.hf as gthf
+    from test_hf_parity import tiny_model
 
     def rank(r, port, target, q):
-        import gridtrain as gt
         gt.launch({}, r, 2, "127.0.0.1", port, backend="gloo")
         small, big = torch.nn.Linear(4, 4), torch.nn.Linear(512, 512)  # 4 KB, 1 MB
         for name, sharded in (("dense.pt", False), ("sharded", True)):
@@ -44,8 +47,6 @@ SCRIPT = textwrap.dedent(
         gt.destroy()
 
     def save_pretrained(target):
-        import gridtrain.hf as gthf
-        from test_hf_parity import tiny_model
         path = os.path.join(target, "hf")
         old = tiny_model("llama", dtype=torch.bfloat16)  # 180 KB
         gthf.save_pretrained(old, path, max_shard_size="40KB")
@@ -66,7 +67,7 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork")  # nothing but imports has run: no thread pool to break
         q = ctx.Queue()
         procs = [ctx.Process(target=rank, args=(r, port, sys.argv[1], q)) for r in range(2)]
         for p in procs:
