@@ -31,7 +31,7 @@ FAMILIES = {
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_equals_one_process(name, layout):
     model_kw, block = FAMILIES[name]
-    results = check_layout(name, layout, block, **model_kw)
+    results = check_layout(name, layout, block, together=_together(layout), **model_kw)
     if name == "phi3" and layout in ("1d2", "2d4"):  # heads split, not gathered
         for row in _rows(results[0][0].plan, "qkv_proj", "gate_up_proj").values():
             assert "packed_colwise" in row, row
@@ -39,10 +39,17 @@ def test_family_equals_one_process(name, layout):
 
 def test_phi3_grouped_kv_heads_keep_the_gathered_qkv():
     """q, k and v blocks of unequal widths: qkv_proj's output is gathered, gate_up still packed."""
-    results = check_layout("phi3", "2d4", "model.layers.0.mlp.gate_up_proj.weight")
+    block = "model.layers.0.mlp.gate_up_proj.weight"
+    results = check_layout("phi3", "2d4", block, together=_together("2d4"))
     rows = _rows(results[0][0].plan, "qkv_proj", "gate_up_proj")
     assert "colwise_gather_output" in rows["qkv_proj"], rows
     assert "packed_colwise" in rows["gate_up_proj"], rows
+
+
+def _together(layout: str) -> list:
+    """Every model checked under ``layout``: one launch trains them all (``check_layout``)."""
+    cells = [(n, kw) for n, (kw, _) in FAMILIES.items()]
+    return cells + [("phi3", {})] if layout == "2d4" else cells
 
 
 def _rows(plan: str, *modules: str) -> dict[str, str]:

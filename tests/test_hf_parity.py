@@ -10,6 +10,7 @@ of the ring. Other ``test_hf_*`` files import the tiny models from here.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -185,30 +186,59 @@ def _grid_rms(name: str, layout: str) -> bool:
     return name != "gpt2" and any(m in layout for m in ("2d", "2.5d", "3d"))
 
 
+NAMES = ["gpt2", "llama"]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", NAMES)
 def test_hf_model_equals_one_process(name, layout):
-    check_layout(name, layout)
+    check_layout(name, layout, together=[(n, {}) for n in NAMES])
 
 
-def check_layout(name: str, layout: str, block: str | None = None, **model_kw) -> list:
+def _cell(name: str, model_kw: dict) -> tuple:
+    """What one model's run depends on (``train_engine``'s arguments), hashable."""
+    return name, name in EXACT_EVERYWHERE, tuple(sorted(model_kw.items()))
+
+
+def _train_cells(ctx, cells: tuple, batches) -> list:
+    """Each of ``cells`` through a ``gt.initialize`` of its own, one after the other."""
+    return [train_engine(ctx, name, batches, exact, dict(kw)) for name, exact, kw in cells]
+
+
+@functools.cache
+def _launch(layout: str, cells: tuple) -> dict:
+    """Cell -> every rank's ``train_engine`` results: one launch per layout trains all the
+    models checked under it (a launch of 8 ranks costs seconds of CPU on 2 cores; the runs
+    themselves are the same as with one launch each)."""
+    world, config, _ = LAYOUTS[layout]
+    per_rank = run_distributed(_train_cells, world, cells, hf_batches(), config=config, timeout=600)
+    return {cell: [rank[i] for rank in per_rank] for i, cell in enumerate(cells)}
+
+
+@functools.cache
+def _dense(name: str, exact: bool, kw: tuple):
+    """The plain run, once per model (several layouts compare with the same one)."""
+    return train_dense(name, hf_batches(), exact=exact, **dict(kw))
+
+
+def check_layout(name: str, layout: str, block: str | None = None, together=(), **model_kw) -> list:
     """Train ``name`` under ``layout`` and in one process; assert parity, each rank's share
     of ``block`` (a block weight) and, under a pipeline, each stage's share of the model.
-    Returns every rank's results (``train_engine``)."""
+    ``together``: the (name, model_kw) of every model checked under ``layout``, trained in
+    the same launch. Returns every rank's results (``train_engine``)."""
     world, config, share = LAYOUTS[layout]
-    batches = hf_batches()
     exact = name in EXACT_EVERYWHERE
-    ref = train_dense(name, batches, exact=exact or _grid_rms(name, layout), **model_kw)
+    cell = _cell(name, model_kw)
+    ref = _dense(name, exact or _grid_rms(name, layout), cell[2])
     d_losses, d_final = ref.losses, ref.state
-    results = run_distributed(
-        train_engine, world, name, batches, exact, model_kw, config=config, timeout=600
-    )
+    cells = tuple(dict.fromkeys([*(_cell(n, kw) for n, kw in together), cell]))
+    results = _launch(layout, cells)[cell]
     replica = world // gt.Config.from_dict(config).data_size(world)
     losses = torch.tensor(global_losses([r for r, _ in results]), dtype=torch.float64)
     tol = TOL
     err = (losses - torch.tensor(d_losses, dtype=torch.float64)).abs().max().item()
     if exact or _grid_rms(name, layout):
-        hf_run = train_dense(name, batches, **model_kw)
+        hf_run = _dense(name, False, cell[2])
         hf_losses = torch.tensor(hf_run.losses, dtype=torch.float64)
         hf_err = ((losses - hf_losses).abs() / hf_losses.abs()).max().item()
         print(f"\nLAYOUT {name} {layout}: vs unmodified HF (float32 RMSNorm) {hf_err:.2e}")
