@@ -242,7 +242,9 @@ def run_distributed(
             break
         if cid != call_id:  # a late answer from a discarded call
             continue
-        (outputs if ok else failures)[rank] = value
+        # a tensor arrives as shared memory that holds one file descriptor open while it
+        # lives; a module that caches its layouts' results would run out of descriptors
+        (outputs if ok else failures)[rank] = owned(value) if ok else value
 
     if failures or len(outputs) < world_size:
         missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
