@@ -17,6 +17,8 @@ import inspect
 
 import torch
 
+from gridtrain.parallel.tensor.meta_memo import any_autocast
+
 
 @functools.cache
 def keys_autocast_dtype() -> bool:
@@ -37,7 +39,6 @@ def autocast_safe_cache() -> contextlib.AbstractContextManager:
     config = getattr(torch._functorch, "config", None)
     if config is None or not hasattr(config, "enable_autograd_cache") or keys_autocast_dtype():
         return contextlib.nullcontext()
-    any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
     if not any_autocast():
         return contextlib.nullcontext()
     return config.patch(enable_autograd_cache=False)

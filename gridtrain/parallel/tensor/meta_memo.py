@@ -60,7 +60,7 @@ def _key(func: Any, args: tuple, kwargs: dict, inputs: list[Tensor]) -> tuple | 
     name = getattr(func, "__name__", None)
     if name is None or "out" in kwargs or _in_place(name):
         return None
-    if _any_autocast():
+    if any_autocast():
         return None
     try:
         sig = (_sig(args, inputs), _sig(kwargs, inputs))
@@ -69,7 +69,8 @@ def _key(func: Any, args: tuple, kwargs: dict, inputs: list[Tensor]) -> tuple | 
     return (func, sig, torch.is_grad_enabled(), torch.get_default_dtype())
 
 
-def _any_autocast() -> bool:
+def any_autocast() -> bool:
+    """Whether autocast is on for any device type."""
     check = getattr(torch._C, "_is_any_autocast_enabled", None)
     return check() if check is not None else torch.is_autocast_enabled()
 
