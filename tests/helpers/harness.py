@@ -41,10 +41,34 @@ MAX_WORKERS = 8  # the largest world a test may ask for
 GRACE_S = 5.0  # after one rank fails, how long the others get to report
 
 
+# Under pytest-xdist each test process draws ports from its own block below the kernel's
+# ephemeral range (where a bind to port 0, gloo's pair sockets included, gets its port), so
+# two processes never pick the same free port between the check and rank 0's bind.
+PORT_BLOCK = (20000, 1000)  # first port of worker gw0, ports per worker
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that no other test process of this run will pick."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first, size = PORT_BLOCK
+    first += int(worker[2:]) * size
+    if not _next_port:  # start at a pid-dependent place: another run's worker of that name
+        _next_port.append(os.getpid() % size)
+    for _ in range(size):
+        port = first + _next_port[0]
+        _next_port[0] = (_next_port[0] + 1) % size
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held, or still in TIME_WAIT
+            return port
+    raise RuntimeError(f"no free port in {first}..{first + size - 1}")
 
 
 def owned(value: Any, where: str = "result") -> Any:
@@ -126,9 +150,11 @@ def _leave_no_group() -> None:
 
 
 def initial_size() -> int:
-    """Workers to start with: the machine's cores, at least 2 and at most ``MAX_WORKERS``."""
+    """Workers to start with: the machine's cores shared among pytest-xdist's test
+    processes, at least 2 and at most ``MAX_WORKERS``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(MAX_WORKERS, cores or 2))
+    streams = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(2, min(MAX_WORKERS, (cores or 2) // streams))
 
 
 class _Pool:
