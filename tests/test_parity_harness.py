@@ -4,11 +4,12 @@ ones the reference computes."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
 import torch
-from helpers.harness import run_distributed
+from helpers.harness import PORT_BLOCK, free_port, run_distributed
 from helpers.models import TinyTransformer
 from helpers.runs import (
     assert_grads_close,
@@ -76,3 +77,21 @@ def test_a_zero3_run_reads_back_the_dense_gradients(config):
         assert max(run.shares.values()) <= 0.5, (rank, run.shares)  # really sharded
         for step in range(2):  # a gradient recovered from the moments of each step
             assert_grads_close(run.grads[step], ref, step, f"rank {rank}", rtol=1e-10, atol=1e-14)
+
+
+def test_each_test_process_draws_ports_from_its_own_block(monkeypatch):
+    """Under pytest-xdist, worker gwN's ports lie in its own block below the kernel's ephemeral
+    range: two test processes never hand the same port to their rank 0s."""
+    first, size = PORT_BLOCK
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    for n in (0, 3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{n}")
+        ports = [free_port() for _ in range(5)]
+        low = first + n * size
+        assert all(low <= p < low + size for p in ports), (n, ports)
+        assert low + size <= ephemeral_low, "a bind to port 0 could be handed one of them"
+        assert len(set(ports)) == 5, ports
+        for p in ports:  # each is free when handed out
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
