@@ -57,7 +57,7 @@ def free_port() -> int:
             return s.getsockname()[1]
     first, size = PORT_BLOCK
     first += int(worker[2:]) * size
-    if not _next_port:  # start at a pid-dependent place: another run's worker of that name
+    if not _next_port:  # a pid-dependent start: another run's gwN likely starts elsewhere
         _next_port.append(os.getpid() % size)
     for _ in range(size):
         port = first + _next_port[0]
