@@ -26,6 +26,7 @@ FSDP2 still manages, and the call then waits out its whole timeout.
 from __future__ import annotations
 
 import atexit
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -45,7 +46,7 @@ GRACE_S = 5.0  # after one rank fails, how long the others get to report
 # ephemeral range (where a bind to port 0, gloo's pair sockets included, gets its port), so
 # two processes never pick the same free port between the check and rank 0's bind.
 PORT_BLOCK = (20000, 1000)  # first port of worker gw0, ports per worker
-_next_port: list[int] = []
+_port_counter = itertools.count(os.getpid())  # pid-dependent: another run's gwN starts elsewhere
 
 
 def free_port() -> int:
@@ -57,11 +58,8 @@ def free_port() -> int:
             return s.getsockname()[1]
     first, size = PORT_BLOCK
     first += int(worker[2:]) * size
-    if not _next_port:  # a pid-dependent start: another run's gwN likely starts elsewhere
-        _next_port.append(os.getpid() % size)
     for _ in range(size):
-        port = first + _next_port[0]
-        _next_port[0] = (_next_port[0] + 1) % size
+        port = first + next(_port_counter) % size
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
