@@ -13,11 +13,9 @@ DEMO_CONFIG ?= $(if $(filter 8,$(NPROC)),demos/gpt/configs/demo.py,demos/gpt/con
 
 .PHONY: demo test test-gpu lint format venv clean
 
-$(STAMP): requirements.txt setup.py
+$(STAMP): requirements.txt setup.py scripts/install_venv.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.txt
-	$(BIN)/pip install -q --no-deps -e .
+	scripts/install_venv.sh $(VENV)
 	touch $(STAMP)
 
 venv: $(STAMP)
