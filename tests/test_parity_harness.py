@@ -95,3 +95,25 @@ def test_each_test_process_draws_ports_from_its_own_block(monkeypatch):
         for p in ports:  # each is free when handed out
             with socket.socket() as s:
                 s.bind(("127.0.0.1", p))
+
+
+def _rank(ctx):
+    return ctx.global_rank
+
+
+def _abort_on_rank_1(ctx):
+    import os
+
+    if ctx.global_rank == 1:
+        os.abort()  # as glibc does on a corrupted heap ("malloc_consolidate(): invalid chunk")
+    return ctx.global_rank
+
+
+def test_a_rank_whose_process_dies_fails_the_call_at_once_naming_the_signal():
+    # it used to wait out the whole timeout (240 s in test_conformance) for a report that a
+    # dead process never sends
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed:\n.*ended \(signal SIGABRT\)"):
+        run_distributed(_abort_on_rank_1, 2, timeout=TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT / 2, "reported, not timed out"
+    assert run_distributed(_rank, 2) == [0, 1], "the next call gets a whole pool again"

@@ -30,6 +30,7 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -40,6 +41,7 @@ from helpers import forked
 
 MAX_WORKERS = 8  # the largest world a test may ask for
 GRACE_S = 5.0  # after one rank fails, how long the others get to report
+POLL_S = 1.0  # how often a call's wait looks for workers that died
 
 
 # Under pytest-xdist each test process draws ports from its own block below the kernel's
@@ -99,10 +101,12 @@ def owned(value: Any, where: str = "result") -> Any:
 
 
 def _worker(index: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import faulthandler
     import gc
 
     import torch
 
+    faulthandler.enable(all_threads=True)  # a crash in native code shows every thread's stack
     torch.set_num_threads(1)
     while True:
         # what survives the last call (torch, gridtrain, a library a test imported) leaves
@@ -181,6 +185,19 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
+    def dead(self, ranks) -> dict[int, str]:
+        """{rank: how its worker ended} for those of ``ranks`` whose process has ended."""
+        out = {}
+        for rank in ranks:
+            code = self.procs[rank].exitcode
+            if code is not None:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+                out[rank] = (
+                    f"its worker process ended ({how}) without reporting: a crash in native "
+                    "code (faulthandler prints each thread's stack to the test's stderr)"
+                )
+        return out
+
     def kill(self) -> None:
         for p in self.procs:
             if p.is_alive():
@@ -253,17 +270,19 @@ def run_distributed(
 
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    deadline, graced = time.monotonic() + timeout, False
     while len(outputs) + len(failures) < world_size:
+        if failures and not graced:  # from the first failure, the others get GRACE_S to report
+            deadline, graced = min(deadline, time.monotonic() + GRACE_S), True
         wait = deadline - time.monotonic()
-        if failures:
-            wait = min(wait, GRACE_S)
         if wait <= 0:
             break
         try:
-            cid, rank, ok, value = pool.results.get(timeout=wait)
+            cid, rank, ok, value = pool.results.get(timeout=min(wait, POLL_S))
         except queue.Empty:
-            break
+            # a worker that died (SIGABRT, SIGSEGV) never reports: fail now, not at the timeout
+            failures.update(pool.dead(set(range(world_size)) - set(outputs) - set(failures)))
+            continue
         if cid != call_id:  # a late answer from a discarded call
             continue
         # a tensor arrives as shared memory that holds one file descriptor open while it
