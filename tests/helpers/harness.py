@@ -270,19 +270,24 @@ def run_distributed(
 
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline, graced = time.monotonic() + timeout, False
+    last_report = time.monotonic()
+    deadline = last_report + timeout
     while len(outputs) + len(failures) < world_size:
-        if failures and not graced:  # from the first failure, the others get GRACE_S to report
-            deadline, graced = min(deadline, time.monotonic() + GRACE_S), True
-        wait = deadline - time.monotonic()
+        # once a rank failed, each of the others gets GRACE_S after the previous report
+        end = min(deadline, last_report + GRACE_S) if failures else deadline
+        wait = end - time.monotonic()
         if wait <= 0:
             break
         try:
             cid, rank, ok, value = pool.results.get(timeout=min(wait, POLL_S))
         except queue.Empty:
             # a worker that died (SIGABRT, SIGSEGV) never reports: fail now, not at the timeout
-            failures.update(pool.dead(set(range(world_size)) - set(outputs) - set(failures)))
+            dead = pool.dead(set(range(world_size)) - set(outputs) - set(failures))
+            if dead:
+                failures.update(dead)
+                last_report = time.monotonic()
             continue
+        last_report = time.monotonic()
         if cid != call_id:  # a late answer from a discarded call
             continue
         # a tensor arrives as shared memory that holds one file descriptor open while it
